@@ -1,0 +1,38 @@
+# Two entry points, each doing its own set-up on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU build of torch that lies on disk on these machines; with a GPU, install torch your usual way
+# first (e.g. `make TORCH_SPEC=torch`) or in your own environment: `pip install -e .[dev]`.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint bench gpu-test clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet -e ".[dev,plot,triton]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/gradscaler demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/mypy
+
+test: $(STAMP) lint
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/gradscaler bench
+
+# On a CUDA machine: the CUDA-marked tests must run, not skip.
+gpu-test: $(STAMP)
+	GRADSCALER_REQUIRE_CUDA=1 $(BIN)/python -m pytest -q -m cuda
+
+clean:
+	rm -rf $(VENV) build dist .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,116 @@
+"""Gradients of an optimizer, grouped by device and dtype, and the passes the scaler makes over them.
+
+Three passes exist, each a single sweep over the gradient bytes:
+
+* ``unscale_and_check_``: read + write, ``g *= 1/S`` and the non-finite flag (torch's
+  ``_amp_foreach_non_finite_check_and_unscale_``; the minimum for optimizers that read ``.grad``).
+* ``check``: read only, the non-finite flag (for fused optimizers, which unscale inside their kernel).
+* ``norms_and_check``: read only, the flag and per-tensor norms (for scale-aware clipping).
+
+Sparse gradients contribute their values (fp16 ones are coalesced first, so duplicate indices that sum
+past 65504 are caught); complex gradients contribute their real and imaginary parts; DTensor gradients
+contribute their local shard.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterator
+
+import torch
+
+from gradscaler.kernels import grad_stats
+
+GradGroups = dict[torch.device, dict[torch.dtype, list[torch.Tensor]]]
+
+FP16_GRADS_MESSAGE = (
+    "Attempting to unscale FP16 gradients. The parameters themselves are float16, so their gradients "
+    "are too, and unscaling them in float16 loses the small values loss scaling exists to keep. Keep "
+    "the parameters in float32 and let torch.autocast run the forward pass in float16, or use a fused "
+    "optimizer (fused=True), whose step the scaler does not need to unscale for."
+)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor; any other tensor unchanged."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
+def iter_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    """Every parameter of ``optimizer``, in param-group order."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if not isinstance(param, torch.Tensor):
+                raise AssertionError(f"expected param to be torch.Tensor, got {type(param).__name__}")
+            yield param
+
+
+def group_grads(optimizer: torch.optim.Optimizer, *, allow_fp16: bool) -> GradGroups:
+    """The checkable views of ``optimizer``'s gradients, by device then dtype.
+
+    Raises ``ValueError`` (torch's message, with advice) on a float16 gradient unless ``allow_fp16``.
+    May replace a sparse float16 ``.grad`` by its coalesced copy.
+    """
+    groups: GradGroups = defaultdict(lambda: defaultdict(list))
+    with torch.no_grad():
+        for param in iter_params(optimizer):
+            grad = param.grad
+            if grad is None:
+                continue
+            grad = _local(grad)
+            if not allow_fp16 and grad.dtype == torch.float16:
+                raise ValueError(FP16_GRADS_MESSAGE)
+            if grad.is_sparse:
+                if grad.dtype is torch.float16:
+                    param.grad = param.grad.coalesce()
+                    grad = _local(param.grad)
+                grad = grad._values()
+            if grad.is_complex():
+                grad = torch.view_as_real(grad)
+            groups[grad.device][grad.dtype].append(grad)
+    return groups
+
+
+def unscale_and_check_(groups: GradGroups, inv_scale: torch.Tensor) -> dict[torch.device, torch.Tensor]:
+    """Multiply every gradient by ``inv_scale`` in place; return a 0-d float32 flag per device."""
+    flags: dict[torch.device, torch.Tensor] = {}
+    for device, by_dtype in groups.items():
+        found = torch.zeros((), dtype=torch.float32, device=device)
+        inv = inv_scale.to(device, non_blocking=True)
+        for grads in by_dtype.values():
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
+        flags[device] = found
+    return flags
+
+
+def check(groups: GradGroups) -> dict[torch.device, torch.Tensor]:
+    """The non-finite flag per device (0-d float32, 1.0 when any value is inf or NaN); writes nothing."""
+    flags: dict[torch.device, torch.Tensor] = {}
+    for device, by_dtype in groups.items():
+        device_flags = [grad_stats(grads, None).nonfinite for grads in by_dtype.values()]
+        flags[device] = _any(device_flags)
+    return flags
+
+
+def norms_and_check(
+    groups: GradGroups, norm_type: float
+) -> tuple[dict[torch.device, torch.Tensor], dict[torch.device, torch.Tensor]]:
+    """Per-tensor ``norm_type``-norms (float32, one 1-d tensor per device) and the flag per device.
+
+    Norms are of the gradients as stored (still scaled); one read of each gradient gives both.
+    """
+    flags: dict[torch.device, torch.Tensor] = {}
+    norms: dict[torch.device, torch.Tensor] = {}
+    for device, by_dtype in groups.items():
+        stats = [grad_stats(grads, norm_type) for grads in by_dtype.values()]
+        flags[device] = _any([s.nonfinite for s in stats])
+        norms[device] = torch.cat([s.norms for s in stats if s.norms is not None])
+    return norms, flags
+
+
+def _any(flags: list[torch.Tensor]) -> torch.Tensor:
+    """Combine 0-d float flags into one 0-d float32 flag (1.0 if any is nonzero)."""
+    if len(flags) == 1:
+        return flags[0]
+    return torch.stack(flags).amax()

@@ -1,0 +1,168 @@
+"""``grad_stats`` as a multi-tensor Triton kernel: one read of every gradient, two launches.
+
+Launch 1 runs one program per CHUNK-element chunk of any tensor. A program finds its tensor from a
+small table of chunk offsets, reads its chunk once, ORs a non-finite bit into the device flag (atomic
+max of 1.0, so the result does not depend on order) and, for a norm, writes one partial (sum of
+squares, sum of ``|x|**p``, or max ``|x|``). Launch 2 reduces each tensor's partials in a fixed order, so
+norms are deterministic run to run. The tables (addresses, sizes, chunk offsets) are built on the host
+and cached by the gradients' addresses, which the caching allocator keeps stable across iterations.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+import torch
+
+from gradscaler.kernels import GradStats
+
+try:
+    import triton
+    import triton.language as tl
+
+    AVAILABLE = True
+except ImportError:  # pragma: no cover - exercised on machines without Triton
+    AVAILABLE = False
+
+CHUNK = 65536
+BLOCK = 2048
+MAX_TENSORS = 2048
+MODE_CHECK, MODE_SQUARES, MODE_MAX, MODE_POWER = 0, 1, 2, 3
+
+if AVAILABLE:
+
+    @triton.jit
+    def _chunk_kernel(
+        table_ptr,
+        offsets_ptr,
+        num_tensors,
+        partial_ptr,
+        flag_ptr,
+        p,
+        DTYPE: tl.constexpr,
+        MODE: tl.constexpr,
+        CHUNK_SIZE: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        TABLE_BLOCK: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        index = tl.arange(0, TABLE_BLOCK)
+        ends = tl.load(offsets_ptr + 1 + index, mask=index < num_tensors, other=2147483647)
+        tensor = tl.sum((ends <= pid).to(tl.int32), axis=0)
+        first = tl.load(offsets_ptr + tensor)
+        numel = tl.load(table_ptr + num_tensors + tensor)
+        ptr = tl.load(table_ptr + tensor).to(tl.pointer_type(DTYPE))
+        base = (pid - first).to(tl.int64) * CHUNK_SIZE
+        acc = tl.zeros((BLOCK_SIZE,), dtype=tl.float32)
+        bad = tl.zeros((BLOCK_SIZE,), dtype=tl.int32)
+        for start in range(0, CHUNK_SIZE, BLOCK_SIZE):
+            offs = base + start + tl.arange(0, BLOCK_SIZE)
+            x = tl.load(ptr + offs, mask=offs < numel, other=0.0).to(tl.float32)
+            bad = bad | ((x - x) != 0).to(tl.int32)
+            if MODE == 1:
+                acc += x * x
+            elif MODE == 2:
+                acc = tl.maximum(acc, tl.abs(x))
+            elif MODE == 3:
+                acc += tl.exp2(p * tl.log2(tl.abs(x)))
+        nonfinite = tl.max(bad, axis=0)
+        tl.atomic_max(flag_ptr, 1.0, mask=nonfinite > 0)
+        if MODE == 2:
+            tl.store(partial_ptr + pid, tl.max(acc, axis=0))
+        elif MODE != 0:
+            tl.store(partial_ptr + pid, tl.sum(acc, axis=0))
+
+    @triton.jit
+    def _tensor_kernel(partial_ptr, offsets_ptr, norms_ptr, p, MODE: tl.constexpr, RBLOCK: tl.constexpr):
+        tensor = tl.program_id(0)
+        lo = tl.load(offsets_ptr + tensor)
+        hi = tl.load(offsets_ptr + tensor + 1)
+        acc = tl.zeros((RBLOCK,), dtype=tl.float32)
+        for start in range(lo, hi, RBLOCK):
+            idx = start + tl.arange(0, RBLOCK)
+            v = tl.load(partial_ptr + idx, mask=idx < hi, other=0.0)
+            if MODE == 2:
+                acc = tl.maximum(acc, v)
+            else:
+                acc += v
+        if MODE == 2:
+            tl.store(norms_ptr + tensor, tl.max(acc, axis=0))
+        elif MODE == 1:
+            tl.store(norms_ptr + tensor, tl.sqrt(tl.sum(acc, axis=0)))
+        else:
+            tl.store(norms_ptr + tensor, tl.exp2(tl.log2(tl.sum(acc, axis=0)) / p))
+
+    _TRITON_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
+                      torch.float64: tl.float64}
+
+
+class _Tables:
+    """Device tables for one list of tensors: addresses + sizes (int64) and chunk offsets (int32)."""
+
+    def __init__(self, grads: list[torch.Tensor]) -> None:
+        device = grads[0].device
+        sizes = [g.numel() for g in grads]
+        offsets = [0]
+        for n in sizes:
+            offsets.append(offsets[-1] + max(1, math.ceil(n / CHUNK)))
+        table = torch.tensor([g.data_ptr() for g in grads] + sizes, dtype=torch.int64)
+        offs = torch.tensor(offsets, dtype=torch.int32)
+        if device.type == "cuda":
+            table, offs = table.pin_memory(), offs.pin_memory()
+        self._host = (table, offs)  # pinned sources stay alive while the async copies run
+        self.table = table.to(device, non_blocking=True)
+        self.offsets = offs.to(device, non_blocking=True)
+        self.num_chunks = offsets[-1]
+
+
+_CACHE: OrderedDict[tuple[object, ...], _Tables] = OrderedDict()
+_CACHE_SIZE = 16
+
+
+def _tables(grads: list[torch.Tensor]) -> _Tables:
+    key = (grads[0].device, tuple((g.data_ptr(), g.numel()) for g in grads))
+    found = _CACHE.get(key)
+    if found is None:
+        found = _Tables(grads)
+        _CACHE[key] = found
+        if len(_CACHE) > _CACHE_SIZE:
+            _CACHE.popitem(last=False)
+    else:
+        _CACHE.move_to_end(key)
+    return found
+
+
+def _mode(norm_type: float | None) -> int:
+    if norm_type is None:
+        return MODE_CHECK
+    if math.isinf(norm_type):
+        return MODE_MAX
+    return MODE_SQUARES if norm_type == 2.0 else MODE_POWER
+
+
+def grad_stats(grads: list[torch.Tensor], norm_type: float | None) -> GradStats:
+    """See ``gradscaler.kernels.grad_stats``. Tensors must be contiguous; others are read via a copy."""
+    device = grads[0].device
+    flag = torch.zeros((), dtype=torch.float32, device=device)
+    mode = _mode(norm_type)
+    norms = []
+    for start in range(0, len(grads), MAX_TENSORS):
+        part = [g if g.is_contiguous() else g.contiguous() for g in grads[start : start + MAX_TENSORS]]
+        norms.append(_launch(part, mode, float(norm_type or 0.0), flag))
+    return GradStats(flag, None if mode == MODE_CHECK else torch.cat(norms))
+
+
+def _launch(grads: list[torch.Tensor], mode: int, p: float, flag: torch.Tensor) -> torch.Tensor:
+    tables = _tables(grads)
+    device = grads[0].device
+    partial = torch.empty(tables.num_chunks if mode != MODE_CHECK else 1, dtype=torch.float32, device=device)
+    _chunk_kernel[(tables.num_chunks,)](
+        tables.table, tables.offsets, len(grads), partial, flag, p,
+        DTYPE=_TRITON_DTYPES[grads[0].dtype], MODE=mode, CHUNK_SIZE=CHUNK, BLOCK_SIZE=BLOCK,
+        TABLE_BLOCK=triton.next_power_of_2(len(grads) + 1),
+    )
+    norms = torch.empty(len(grads), dtype=torch.float32, device=device)
+    if mode != MODE_CHECK:
+        _tensor_kernel[(len(grads),)](partial, tables.offsets, norms, p, MODE=mode, RBLOCK=256)
+    return norms
