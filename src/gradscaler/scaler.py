@@ -368,7 +368,7 @@ class GradScaler:
             before = scale.clone()
             assert self._hysteresis_tracker is not None and self._telemetry is not None
             rule.update_scale_(scale, growth_tracker, self._hysteresis_tracker, found, self._rule)
-            self._telemetry.record_(self._steps, found, before, scale, self._rule.lower)
+            self._telemetry.record_(found, before, scale, self._rule.lower)
             self._steps += 1
             self._last_found_inf = found
             self._last_optimizers = [weakref.ref(o) for o in self._iteration_optimizers()]
@@ -452,7 +452,7 @@ class GradScaler:
         """The last ``history`` scales (after each update) and skip flags, oldest first. Syncs."""
         if self._telemetry is None:
             return {"scale": [], "skipped": []}
-        scales, skipped = self._telemetry.histories(self._steps)
+        scales, skipped = self._telemetry.histories()
         return {"scale": scales, "skipped": skipped}
 
     def add_logger(self, callback: Callable[[dict[str, Any]], None], every: int = 1) -> None:

@@ -30,14 +30,13 @@ class Telemetry:
         self.counters = torch.tensor(counters or [0] * len(COUNTERS), dtype=torch.int64, device=device)
         self.scale_history = torch.full((history,), float("nan"), dtype=torch.float32, device=device)
         self.skip_history = torch.zeros(history, dtype=torch.bool, device=device)
+        self.step = torch.zeros(1, dtype=torch.int64, device=device)  # ring position, graph-safe
         pin = device.type == "cuda"
         self._mirror = torch.zeros(len(COUNTERS), dtype=torch.int64, pin_memory=pin)
         self._scale_mirror = torch.zeros((), dtype=torch.float32, pin_memory=pin)
         self._event: Any = None
 
-    def record_(
-        self, step: int, found: torch.Tensor, before: torch.Tensor, after: torch.Tensor, lower: float
-    ) -> None:
+    def record_(self, found: torch.Tensor, before: torch.Tensor, after: torch.Tensor, lower: float) -> None:
         """Account for one update: ``found`` 0-d float flag, the scale ``before`` and ``after`` it."""
         skipped = found != 0
         at_floor = skipped & (before <= lower)
@@ -45,12 +44,13 @@ class Telemetry:
         keep = torch.stack([torch.ones_like(skipped), skipped, torch.ones_like(skipped),
                             torch.ones_like(skipped), at_floor]).long()
         self.counters.add_(inc).mul_(keep).clamp_(max=SATURATE)
-        slot = step % self.history
-        self.scale_history[slot].copy_(after)
-        self.skip_history[slot].copy_(skipped)
+        slot = self.step.remainder(self.history)
+        self.scale_history.index_copy_(0, slot, after.view(1))
+        self.skip_history.index_copy_(0, slot, skipped.view(1))
+        self.step.add_(1)
         self._mirror.copy_(self.counters, non_blocking=True)
         self._scale_mirror.copy_(after, non_blocking=True)
-        if self.counters.is_cuda:
+        if self.counters.is_cuda and not torch.cuda.is_current_stream_capturing():
             self._event = torch.cuda.Event()
             self._event.record()
 
@@ -66,8 +66,9 @@ class Telemetry:
         """The current counters (syncs with the device)."""
         return dict(zip(COUNTERS, self.counters.tolist(), strict=True))
 
-    def histories(self, steps: int) -> tuple[list[float], list[bool]]:
+    def histories(self) -> tuple[list[float], list[bool]]:
         """Scale and skip flag of the last ``min(steps, history)`` steps, oldest first (syncs)."""
+        steps = int(self.step.tolist()[0])
         count = min(steps, self.history)
         order = [(steps - count + i) % self.history for i in range(count)]
         index = torch.tensor(order, dtype=torch.long, device=self.scale_history.device)

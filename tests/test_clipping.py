@@ -1,0 +1,120 @@
+"""``GradScaler.clip_grad_norm_`` against torch's unscale_ + clip_grad_norm_ recipe and float64."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import assert_same_trace, run
+from torch import nn
+
+from gradscaler import GradScaler
+from gradscaler.scaler import OptState
+
+# Per step, our norm and torch's differ only in float32 summation order (a few ulps; the single-step
+# tests below hold them to 1e-5 against float64). Over a 30-step trajectory those ulps feed back
+# through the parameters (Adagrad amplifies them most): 1e-3 bounds the drift seen, 3.7e-5.
+RTOL = 1e-3
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw", "adagrad"])
+@pytest.mark.parametrize("mode", ["foreach", "fused"])
+@pytest.mark.parametrize("max_norm", [1e9, 1.0, 0.05], ids=["no_clip", "clip", "hard_clip"])
+def test_matches_torch_recipe(optimizer: str, mode: str, max_norm: float) -> None:
+    faults = {4: [(0, math.inf)], 11: [(2, math.nan)]}
+    kwargs = {"optimizer": optimizer, "mode": mode, "inject": faults, "steps": 30, "max_norm": max_norm}
+    settings = {"init_scale": 2.0**12, "growth_interval": 4}
+    ours = run(GradScaler("cpu", **settings), recipe="clip", **kwargs)
+    theirs = run(torch.amp.GradScaler("cpu", **settings), recipe="unscale_clip", **kwargs)
+    assert ours.scales == theirs.scales and ours.skipped == theirs.skipped
+    for step, (a, b) in enumerate(zip(ours.norms, theirs.norms, strict=True)):
+        if theirs.skipped[step]:
+            assert not torch.isfinite(a)
+            continue
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=0)
+    for a, b in zip(ours.params[-1], theirs.params[-1], strict=True):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=1e-5)
+
+
+def test_no_clip_is_bit_identical_to_plain_run() -> None:
+    """With a max_norm that never clips, the coefficient is exactly 1 and nothing else changes."""
+    kwargs = {"optimizer": "adamw", "mode": "foreach", "steps": 20, "max_norm": 1e30}
+    ours = run(GradScaler("cpu", init_scale=2.0**10, growth_interval=3), recipe="clip", **kwargs)
+    theirs = run(torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3), recipe="plain", **kwargs)
+    assert_same_trace(ours, theirs)
+
+
+@pytest.mark.parametrize("p", [1.0, 2.0, 3.5, math.inf], ids=str)
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_norm_against_float64_and_the_result_of_the_step(p: float, fused: bool) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=1.0, fused=fused) if fused else torch.optim.SGD(
+        model.parameters(), lr=1.0, foreach=True)
+    scaler = GradScaler("cpu", init_scale=2.0**9)
+    scaler.scale(model(torch.randn(4, 16)).pow(2).sum()).backward()
+    scaled = [p_.grad.double().clone() for p_ in model.parameters()]
+    before = [p_.detach().double().clone() for p_ in model.parameters()]
+    total = scaler.clip_grad_norm_(opt, 0.5, p)
+    unscaled = [g / 2.0**9 for g in scaled]
+    expected = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, p) for g in unscaled]), p)
+    assert total.dtype == torch.float32 and total.dim() == 0
+    torch.testing.assert_close(total.double(), expected, rtol=1e-5, atol=0)
+    if fused:  # nothing was written before the optimizer runs
+        assert all(torch.equal(p_.grad.double(), g) for p_, g in zip(model.parameters(), scaled, strict=True))
+    scaler.step(opt)
+    scaler.update()
+    coef = min(1.0, 0.5 / (float(expected) + 1e-6))
+    for p_, b, g in zip(model.parameters(), before, unscaled, strict=True):
+        torch.testing.assert_close(p_.detach().double(), b - g * coef, rtol=1e-5, atol=1e-6)
+
+
+def test_misuse() -> None:
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = GradScaler("cpu")
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    with pytest.raises(ValueError, match="max_norm must be a number >= 0, got -1.0"):
+        scaler.clip_grad_norm_(opt, -1.0)
+    with pytest.raises(ValueError, match="norm_type must be a p > 0 or inf, got 0"):
+        scaler.clip_grad_norm_(opt, 1.0, 0)
+    assert scaler._per_optimizer_states[id(opt)]["stage"] is OptState.READY
+    scaler.clip_grad_norm_(opt, 1.0)
+    with pytest.raises(RuntimeError, match=r"clip_grad_norm_\(\) has already been called"):
+        scaler.clip_grad_norm_(opt, 1.0)
+    with pytest.raises(RuntimeError, match=r"unscale_\(\) has already been called"):
+        scaler.unscale_(opt)
+    scaler.step(opt)
+    with pytest.raises(RuntimeError, match=r"clip_grad_norm_\(\) is being called after step\(\)"):
+        scaler.clip_grad_norm_(opt, 1.0)
+
+
+def test_after_explicit_unscale_clips_in_place() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = GradScaler("cpu", init_scale=64.0)
+    scaler.scale(model(torch.randn(3, 4)).sum() * 100).backward()
+    scaler.unscale_(opt)
+    reference = [p.grad.clone() for p in model.parameters()]
+    ref_params = [nn.Parameter(torch.zeros_like(p)) for p in model.parameters()]
+    for rp, g in zip(ref_params, reference, strict=True):
+        rp.grad = g
+    expected = torch.nn.utils.clip_grad_norm_(ref_params, 1.0)
+    total = scaler.clip_grad_norm_(opt, 1.0)
+    torch.testing.assert_close(total, expected, rtol=1e-6, atol=0)
+    for p, rp in zip(model.parameters(), ref_params, strict=True):
+        torch.testing.assert_close(p.grad, rp.grad, rtol=1e-6, atol=0)
+
+
+def test_disabled_scaler_clips_like_torch() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(3, 4)).sum().mul(50).backward()
+    expected = torch.linalg.vector_norm(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+    total = GradScaler("cpu", enabled=False).clip_grad_norm_(opt, 1.0)
+    torch.testing.assert_close(total, expected)
+    clipped = torch.linalg.vector_norm(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+    torch.testing.assert_close(clipped, torch.tensor(1.0), rtol=1e-5, atol=0)
