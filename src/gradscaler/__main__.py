@@ -1,0 +1,7 @@
+"""``python -m gradscaler``."""
+
+import sys
+
+from gradscaler.cli import main
+
+sys.exit(main())

@@ -1,0 +1,320 @@
+"""``gradscaler bench``: torch.amp.GradScaler and gradscaler side by side, in one process.
+
+Three sections, each checking correctness while it times:
+
+* ``kernel``: one read pass over GPT-2-medium-shaped gradients (non-finite flag + L2 norms) against
+  ``torch._foreach_norm`` and a device copy (bandwidth ceiling).
+* ``step``: the optimizer step phase on GPT-2-medium-shaped parameters (355M on CUDA, 33M on the CPU):
+  fused / foreach AdamW x no clip / clip 1.0; columns: optimizer alone, + torch scaler, + gradscaler.
+  Variants run round-robin, each from its own copy of the same parameters, gradients restored
+  (untimed) before every timed step; after the run the parameters of both scalers are compared.
+* ``iteration``: whole training iterations of a GPT-2-small-shaped model under float16 autocast
+  (CUDA: 124M, batch 8 x 1024; CPU: a small one), clip 1.0, fused and foreach AdamW.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradscaler import GradScaler
+from gradscaler.kernels import grad_stats
+
+SCALE = 2.0**16
+
+
+def gpt2_shapes(width: int, layers: int, vocab: int, context: int) -> list[tuple[int, ...]]:
+    """Parameter shapes of a GPT-2 model (tied embeddings): 12 tensors a layer plus 3."""
+    shapes: list[tuple[int, ...]] = [(vocab, width), (context, width)]
+    for _ in range(layers):
+        shapes += [(width,), (width,), (3 * width, width), (3 * width,), (width, width), (width,)]
+        shapes += [(width,), (width,), (4 * width, width), (4 * width,), (width, 4 * width), (width,)]
+    return shapes + [(width,)]
+
+
+def _timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:
+    """Milliseconds of one call: CUDA events on CUDA, the host clock elsewhere."""
+
+    def timed(fn: Callable[[], Any]) -> float:
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return float(start.elapsed_time(end))
+        begin = time.perf_counter()
+        fn()
+        return (time.perf_counter() - begin) * 1e3
+
+    return timed
+
+
+def _median_ms(timed: Callable[[Callable[[], Any]], float], fn: Callable[[], Any], steps: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    return statistics.median(timed(fn) for _ in range(steps))
+
+
+def kernel_section(device: torch.device, shapes: list[tuple[int, ...]], steps: int, warmup: int) -> dict[str, Any]:
+    """The one read pass against torch's per-tensor norms and the copy ceiling."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    grads = [(torch.randn(s, generator=gen) * SCALE * 1e-3).to(device) for s in shapes]
+    numel = sum(g.numel() for g in grads)
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    out = torch.empty_like(flat)
+    timed = _timer(device)
+    ours = grad_stats(grads, 2.0)
+    expected = torch.stack([torch.linalg.vector_norm(g.double()) for g in grads]).float()
+    error = float(((ours.norms - expected).abs() / expected).max())
+    copy_ms = _median_ms(timed, lambda: out.copy_(flat), steps, warmup)
+    result = {
+        "numel": numel,
+        "tensors": len(grads),
+        "copy_ms": copy_ms,
+        "copy_bandwidth_GBps": 8 * numel / copy_ms / 1e6,
+        "ideal_read_ms": copy_ms / 2,
+        "ours_ms": _median_ms(timed, lambda: grad_stats(grads, 2.0), steps, warmup),
+        "ours_check_only_ms": _median_ms(timed, lambda: grad_stats(grads, None), steps, warmup),
+        "foreach_norm_ms": _median_ms(timed, lambda: torch._foreach_norm(grads, 2.0), steps, warmup),
+        "flat_norm_ms": _median_ms(timed, lambda: torch.linalg.vector_norm(flat), steps, warmup),
+        "max_rel_error_vs_float64": error,
+    }
+    result["ours_fraction_of_copy_bandwidth"] = result["ideal_read_ms"] / result["ours_ms"]
+    return result
+
+
+def step_section(device: torch.device, shapes: list[tuple[int, ...]], steps: int, warmup: int) -> list[dict[str, Any]]:
+    """Rows of the step-phase table."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    init = [(torch.randn(s, generator=gen) * 0.02).to(device) for s in shapes]
+    scaled = [(torch.randn(s, generator=gen) * SCALE * 1e-3).to(device) for s in shapes]
+    unscaled = [g / SCALE for g in scaled]
+    timed = _timer(device)
+    rows = []
+    for fused in (True, False):
+        for clip in (False, True):
+            variants = {name: _StepVariant(name, init, fused, clip, device) for name in ("alone", "torch", "ours")}
+            times: dict[str, list[float]] = {name: [] for name in variants}
+            for i in range(warmup + steps):
+                for name, variant in variants.items():
+                    variant.load(unscaled if name == "alone" else scaled)
+                    ms = timed(variant.step)
+                    if i >= warmup:
+                        times[name].append(ms)
+            medians = {name: statistics.median(t) for name, t in times.items()}
+            check = _compare(variants["ours"].params, variants["torch"].params)
+            rows.append({
+                "optimizer": f"{'fused' if fused else 'foreach'} AdamW", "clip": clip,
+                "alone_ms": medians["alone"], "torch_ms": medians["torch"], "ours_ms": medians["ours"],
+                "torch_overhead_ms": medians["torch"] - medians["alone"],
+                "ours_overhead_ms": medians["ours"] - medians["alone"],
+                "speedup": medians["torch"] / medians["ours"], "check": check,
+            })
+            del variants
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+class _StepVariant:
+    """One copy of the parameters with its optimizer and scaler ("alone": no scaler)."""
+
+    def __init__(self, name: str, init: list[torch.Tensor], fused: bool, clip: bool, device: torch.device) -> None:
+        self.name, self.clip = name, clip
+        self.params = [nn.Parameter(p.clone()) for p in init]
+        for p in self.params:
+            p.grad = torch.empty_like(p)
+        flags = {"fused": True} if fused else {"foreach": True}
+        self.opt = torch.optim.AdamW(self.params, lr=1e-4, **flags)
+        big = 10**9
+        self.scaler: Any = None
+        if name == "torch":
+            self.scaler = torch.amp.GradScaler(device.type, init_scale=SCALE, growth_interval=big)
+        elif name == "ours":
+            self.scaler = GradScaler(device.type, init_scale=SCALE, growth_interval=big)
+        if self.scaler is not None:
+            self.scaler.scale(torch.ones((), device=device))
+
+    def load(self, grads: list[torch.Tensor]) -> None:
+        for p, g in zip(self.params, grads, strict=True):
+            assert p.grad is not None
+            p.grad.copy_(g)
+
+    def step(self) -> None:
+        if self.scaler is None:
+            self.opt.step()
+            return
+        if self.clip and self.name == "torch":
+            self.scaler.unscale_(self.opt)
+            torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        elif self.clip:
+            self.scaler.clip_grad_norm_(self.opt, 1.0)
+        self.scaler.step(self.opt)
+        self.scaler.update()
+
+
+def _compare(a: list[torch.Tensor], b: list[torch.Tensor]) -> str:
+    if all(torch.equal(x, y) for x, y in zip(a, b, strict=True)):
+        return "bit-identical"
+    worst = max(float(torch.linalg.vector_norm((x - y).double()) / torch.linalg.vector_norm(y.double()).clamp_min(1e-30))
+                for x, y in zip(a, b, strict=True))
+    return f"rel diff {worst:.1e}"
+
+
+class TinyGPT(nn.Module):
+    """A GPT-2-shaped language model: pre-norm blocks, causal SDPA attention, tied head."""
+
+    def __init__(self, width: int, layers: int, heads: int, vocab: int, context: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.tok = nn.Embedding(vocab, width)
+        self.pos = nn.Embedding(context, width)
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict({
+                "ln1": nn.LayerNorm(width), "qkv": nn.Linear(width, 3 * width), "proj": nn.Linear(width, width),
+                "ln2": nn.LayerNorm(width), "fc": nn.Linear(width, 4 * width), "out": nn.Linear(4 * width, width),
+            })
+            for _ in range(layers)
+        )
+        self.ln = nn.LayerNorm(width)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        b, t = tokens.shape
+        x = self.tok(tokens) + self.pos(torch.arange(t, device=tokens.device))
+        for blk in self.blocks:
+            q, k, v = blk["qkv"](blk["ln1"](x)).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+            att = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + blk["proj"](att.transpose(1, 2).reshape(b, t, -1))
+            x = x + blk["out"](nn.functional.gelu(blk["fc"](blk["ln2"](x))))
+        return self.ln(x) @ self.tok.weight.t()
+
+
+def iteration_section(device: torch.device, steps: int, warmup: int) -> list[dict[str, Any]]:
+    """Whole fp16-autocast iterations with clip 1.0, torch vs ours, fused and foreach AdamW."""
+    if device.type == "cuda":
+        cfg, batch = {"width": 768, "layers": 12, "heads": 12, "vocab": 50257, "context": 1024}, 8
+    else:  # float16 matmuls are emulated on CPUs (seconds per step): a small model, float32 forward
+        cfg, batch = {"width": 256, "layers": 4, "heads": 4, "vocab": 4096, "context": 128}, 8
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    data = [torch.randint(cfg["vocab"], (batch, cfg["context"] + 1), generator=gen).to(device) for _ in range(4)]
+    timed = _timer(device)
+    rows = []
+    for fused in (True, False):
+        runs = {}
+        for name in ("torch", "ours"):
+            torch.manual_seed(0)
+            model = TinyGPT(**cfg).to(device)
+            opt = torch.optim.AdamW(model.parameters(), lr=3e-4, **({"fused": True} if fused else {"foreach": True}))
+            scaler = torch.amp.GradScaler(device.type) if name == "torch" else GradScaler(device.type)
+            runs[name] = (model, opt, scaler)
+        times: dict[str, list[float]] = {"torch": [], "ours": []}
+        for i in range(warmup + steps):
+            for name, (model, opt, scaler) in runs.items():
+                tokens = data[i % len(data)]
+                ms = timed(lambda m=model, o=opt, s=scaler, n=name, t=tokens: _iteration(m, o, s, n, t, device))
+                if i >= warmup:
+                    times[name].append(ms)
+        med = {name: statistics.median(t) for name, t in times.items()}
+        check = _compare(list(runs["ours"][0].parameters()), list(runs["torch"][0].parameters()))
+        rows.append({"optimizer": f"{'fused' if fused else 'foreach'} AdamW", "params": _count(runs["ours"][0]),
+                     "torch_ms": med["torch"], "ours_ms": med["ours"], "speedup": med["torch"] / med["ours"],
+                     "check": check})
+        del runs
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _count(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def _iteration(model: nn.Module, opt: torch.optim.Optimizer, scaler: Any, name: str, tokens: torch.Tensor,
+               device: torch.device) -> None:
+    opt.zero_grad(set_to_none=True)
+    with torch.autocast(device.type, dtype=torch.float16, enabled=device.type == "cuda"):
+        logits = model(tokens[:, :-1])
+    loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+    scaler.scale(loss).backward()
+    if name == "torch":
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    else:
+        scaler.clip_grad_norm_(opt, 1.0)
+    scaler.step(opt)
+    scaler.update()
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    """What the numbers were measured on."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    return {"device": name, "torch": torch.__version__, "dtype": "float32 params/grads, float16 autocast",
+            "seed": 0, "threads": torch.get_num_threads()}
+
+
+def run(device_name: str | None, steps: int, warmup: int, sections: list[str],
+        progress: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run the chosen sections and return every number."""
+    device = torch.device(device_name or ("cuda" if torch.cuda.is_available() else "cpu"))
+    shapes = gpt2_shapes(1024, 24, 50257, 1024) if device.type == "cuda" else gpt2_shapes(512, 8, 16384, 512)
+    results: dict[str, Any] = {"environment": environment(device), "steps": steps, "warmup": warmup}
+    if "kernel" in sections:
+        progress("bench: one read pass over the gradients ...")
+        results["kernel"] = kernel_section(device, shapes, steps, warmup)
+    if "step" in sections:
+        progress("bench: optimizer step phase (4 rows x 3 variants) ...")
+        results["step"] = step_section(device, shapes, steps, warmup)
+    if "iteration" in sections:
+        progress("bench: whole training iterations ...")
+        results["iteration"] = iteration_section(device, steps, warmup)
+    return results
+
+
+def format_tables(results: dict[str, Any]) -> str:
+    """Markdown tables of the results (what the terminal and the README show)."""
+    env = results["environment"]
+    lines = [f"device: {env['device']} | torch {env['torch']} | {env['dtype']} | seed {env['seed']} | "
+             f"median of {results['steps']} after {results['warmup']} warm-up"]
+    if "kernel" in results:
+        k = results["kernel"]
+        lines += ["", f"One read pass, {k['numel'] / 1e6:.0f}M float32 values in {k['tensors']} tensors:", "",
+                  "| pass | ms |", "|---|---|",
+                  f"| device copy (read+write) | {k['copy_ms']:.3f} ({k['copy_bandwidth_GBps']:.0f} GB/s) |",
+                  f"| ideal read (copy / 2) | {k['ideal_read_ms']:.3f} |",
+                  f"| gradscaler flag + L2 norms | {k['ours_ms']:.3f} ({100 * k['ours_fraction_of_copy_bandwidth']:.0f}% "
+                  "of copy bandwidth) |",
+                  f"| gradscaler flag only | {k['ours_check_only_ms']:.3f} |",
+                  f"| torch._foreach_norm | {k['foreach_norm_ms']:.3f} |",
+                  f"| flat-buffer vector_norm | {k['flat_norm_ms']:.3f} |"]
+    if "step" in results:
+        lines += ["", "Optimizer step phase:", "",
+                  "| optimizer | clip | alone ms | + torch scaler ms | + gradscaler ms | overhead torch / ours ms "
+                  "| speedup | check |", "|---|---|---|---|---|---|---|---|"]
+        for r in results["step"]:
+            lines.append(f"| {r['optimizer']} | {'1.0' if r['clip'] else 'no'} | {r['alone_ms']:.2f} | "
+                         f"{r['torch_ms']:.2f} | {r['ours_ms']:.2f} | {r['torch_overhead_ms']:.2f} / "
+                         f"{r['ours_overhead_ms']:.2f} | {r['speedup']:.2f}x | {r['check']} |")
+    if "iteration" in results:
+        lines += ["", "Whole iteration, clip 1.0 (float16 autocast on CUDA, float32 on the CPU):", "",
+                  "| optimizer | params | torch scaler ms | gradscaler ms | speedup | check |",
+                  "|---|---|---|---|---|---|"]
+        for r in results["iteration"]:
+            lines.append(f"| {r['optimizer']} | {r['params'] / 1e6:.0f}M | {r['torch_ms']:.2f} | {r['ours_ms']:.2f} "
+                         f"| {r['speedup']:.2f}x | {r['check']} |")
+    return "\n".join(lines)
+
+
+def dump(results: dict[str, Any], path: str) -> None:
+    """Write the results as JSON (NaN-free)."""
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(results, handle, indent=2, default=lambda o: None if isinstance(o, float) and math.isnan(o) else o)

@@ -1,0 +1,151 @@
+"""CUDA-only behaviour: sync-free calls, whole-step CUDA graph capture, bit-identity on the GPU.
+
+Marked ``cuda``: skipped with a reason on machines without CUDA; ``GRADSCALER_REQUIRE_CUDA=1`` makes
+the skip an error (``make gpu-test``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from gradscaler import GradScaler
+
+pytestmark = pytest.mark.cuda
+
+
+def model_and_data(seed: int = 0) -> tuple[nn.Module, list[tuple[torch.Tensor, torch.Tensor]]]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 8)).cuda()
+    gen = torch.Generator(device="cuda").manual_seed(seed + 1)
+    data = [(torch.randn(32, 64, device="cuda", generator=gen), torch.randn(32, 8, device="cuda", generator=gen))
+            for _ in range(8)]
+    return model, data
+
+
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, scaler: GradScaler, x: torch.Tensor,
+               y: torch.Tensor, clip: bool) -> torch.Tensor:
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = nn.functional.mse_loss(model(x).float(), y)
+    scaler.scale(loss).backward()
+    if clip:
+        scaler.clip_grad_norm_(opt, 1.0)
+    scaler.step(opt)
+    scaler.update()
+    return loss.detach()
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "foreach"])
+@pytest.mark.parametrize("recipe", ["plain", "unscale", "unscale_clip"])
+def test_bit_identical_to_torch_on_cuda(fused: bool, recipe: str) -> None:
+    results = []
+    for cls in (GradScaler, torch.amp.GradScaler):
+        model, data = model_and_data()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **({"fused": True} if fused else {"foreach": True}))
+        scaler = cls("cuda", init_scale=2.0**14, growth_interval=3)
+        scales = []
+        for step in range(40):
+            x, y = data[step % len(data)]
+            opt.zero_grad()
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = nn.functional.mse_loss(model(x).float(), y)
+            scaler.scale(loss).backward()
+            if step in (5, 6, 17):
+                model[2].weight.grad[0, step % 3] = (float("inf"), float("nan"), -float("inf"))[step % 3]
+            if recipe != "plain":
+                scaler.unscale_(opt)
+            if recipe == "unscale_clip":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+            scales.append(float(scaler._scale))
+        results.append((scales, [p.detach().clone() for p in model.parameters()]))
+    assert results[0][0] == results[1][0]
+    for a, b in zip(results[0][1], results[1][1], strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("clip", [False, True], ids=["noclip", "clip"])
+def test_scaler_calls_make_no_sync(clip: bool) -> None:
+    model, data = model_and_data()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    scaler = GradScaler("cuda", init_scale=2.0**10, growth_interval=2)
+    train_step(model, opt, scaler, *data[0], clip)  # first step: state creation (one documented sync)
+    torch.cuda.synchronize()
+    for step in range(1, 6):
+        x, y = data[step]
+        opt.zero_grad()
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = nn.functional.mse_loss(model(x).float(), y)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            scaled = scaler.scale(loss)
+            torch.cuda.set_sync_debug_mode("default")
+            scaled.backward()
+            if step == 3:
+                model[0].weight.grad[0, 0] = float("inf")
+            torch.cuda.set_sync_debug_mode("error")
+            if clip:
+                scaler.clip_grad_norm_(opt, 1.0)
+            scaler.step(opt)
+            scaler.update()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert scaler.stats()["skipped_steps"] >= 1
+
+
+@pytest.mark.parametrize("clip", [False, True], ids=["noclip", "clip"])
+def test_whole_step_captures_in_a_cuda_graph(clip: bool) -> None:
+    def make() -> tuple[nn.Module, torch.optim.Optimizer, GradScaler]:
+        model, _ = model_and_data()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True, capturable=True)
+        return model, opt, GradScaler("cuda", init_scale=2.0**10, growth_interval=3)
+
+    _, data = model_and_data()
+    eager_model, eager_opt, eager_scaler = make()
+    eager_losses = []
+    for step in range(12):
+        eager_opt.zero_grad(set_to_none=True)
+        eager_losses.append(train_step(eager_model, eager_opt, eager_scaler, *data[step % 8], clip))
+
+    model, opt, scaler = make()
+    static_x, static_y = data[0][0].clone(), data[0][1].clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    losses = []
+    with torch.cuda.stream(stream):  # warm-up steps, eager, on a side stream
+        for step in range(3):
+            static_x.copy_(data[step % 8][0])
+            static_y.copy_(data[step % 8][1])
+            opt.zero_grad(set_to_none=True)
+            losses.append(train_step(model, opt, scaler, static_x, static_y, clip))
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    opt.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        static_loss = train_step(model, opt, scaler, static_x, static_y, clip)
+    for step in range(3, 12):
+        static_x.copy_(data[step % 8][0])
+        static_y.copy_(data[step % 8][1])
+        graph.replay()
+        losses.append(static_loss.clone())
+    torch.cuda.synchronize()
+    torch.testing.assert_close(torch.stack(losses), torch.stack(eager_losses), rtol=0, atol=0)
+    for a, b in zip(model.parameters(), eager_model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert float(scaler._scale) == float(eager_scaler._scale)
+
+
+def test_triton_kernel_reaches_bandwidth_target_shape() -> None:
+    """Correctness of the Triton kernel at GPT-2-medium scale against float64 (timing is in bench)."""
+    from gradscaler.bench import gpt2_shapes
+    from gradscaler.kernels import triton_stats
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    grads = [torch.randn(s, device="cuda", generator=gen) for s in gpt2_shapes(1024, 24, 50257, 1024)]
+    stats = triton_stats.grad_stats(grads, 2.0)
+    expected = torch.stack([torch.linalg.vector_norm(g.double()) for g in grads])
+    torch.testing.assert_close(stats.norms.double(), expected, rtol=1e-5, atol=0)
+    grads[100].view(-1)[12345] = float("nan")
+    assert float(triton_stats.grad_stats(grads, None).nonfinite) == 1.0
