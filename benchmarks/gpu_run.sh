@@ -10,4 +10,5 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 GRADSCALER_REQUIRE_CUDA=1 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
     tests/test_cuda.py tests/test_kernels.py tests/test_differential.py -x -k "not transformer" \
     2>&1 | tee "$out/tests.log" | tail -25
+python3 benchmarks/tune_kernel.py 2>&1 | tee "$out/tune.txt"
 python3 -m gradscaler bench --steps "${BENCH_STEPS:-40}" --warmup 5 --out "$out/bench.json" 2>&1 | tee "$out/bench.txt"

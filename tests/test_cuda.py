@@ -96,7 +96,14 @@ def test_scaler_calls_make_no_sync(clip: bool) -> None:
 
 
 @pytest.mark.parametrize("clip", [False, True], ids=["noclip", "clip"])
-def test_whole_step_captures_in_a_cuda_graph(clip: bool) -> None:
+@pytest.mark.parametrize("set_to_none", [False, True], ids=["grads_kept", "grads_freed"])
+def test_whole_step_captures_in_a_cuda_graph(clip: bool, set_to_none: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replays equal eager steps bit for bit. Gradients kept allocated (``zero_grad(set_to_none=False)``)
+    let the graph use the Triton kernel; gradients allocated inside the capture get torch's ops, so the
+    eager reference is forced onto torch's ops too."""
+    if set_to_none:
+        monkeypatch.setenv("GRADSCALER_KERNEL", "torch")
+
     def make() -> tuple[nn.Module, torch.optim.Optimizer, GradScaler]:
         model, _ = model_and_data()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True, capturable=True)
@@ -106,7 +113,7 @@ def test_whole_step_captures_in_a_cuda_graph(clip: bool) -> None:
     eager_model, eager_opt, eager_scaler = make()
     eager_losses = []
     for step in range(12):
-        eager_opt.zero_grad(set_to_none=True)
+        eager_opt.zero_grad(set_to_none=set_to_none)
         eager_losses.append(train_step(eager_model, eager_opt, eager_scaler, *data[step % 8], clip))
 
     model, opt, scaler = make()
@@ -118,12 +125,14 @@ def test_whole_step_captures_in_a_cuda_graph(clip: bool) -> None:
         for step in range(3):
             static_x.copy_(data[step % 8][0])
             static_y.copy_(data[step % 8][1])
-            opt.zero_grad(set_to_none=True)
+            opt.zero_grad(set_to_none=set_to_none)
             losses.append(train_step(model, opt, scaler, static_x, static_y, clip))
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    opt.zero_grad(set_to_none=True)
+    opt.zero_grad(set_to_none=set_to_none)
     with torch.cuda.graph(graph):
+        if not set_to_none:
+            opt.zero_grad(set_to_none=False)
         static_loss = train_step(model, opt, scaler, static_x, static_y, clip)
     for step in range(3, 12):
         static_x.copy_(data[step % 8][0])
@@ -135,6 +144,7 @@ def test_whole_step_captures_in_a_cuda_graph(clip: bool) -> None:
     for a, b in zip(model.parameters(), eager_model.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert float(scaler._scale) == float(eager_scaler._scale)
+    assert scaler.stats()["steps"] == 4  # the host counts 3 eager updates + 1 capture; replays run on the device
 
 
 def test_triton_kernel_reaches_bandwidth_target_shape() -> None:

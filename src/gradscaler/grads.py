@@ -40,36 +40,53 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 def iter_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
     """Every parameter of ``optimizer``, in param-group order."""
     for group in optimizer.param_groups:
-        for param in group["params"]:
-            if not isinstance(param, torch.Tensor):
-                raise AssertionError(f"expected param to be torch.Tensor, got {type(param).__name__}")
-            yield param
+        yield from group["params"]
 
 
 def group_grads(optimizer: torch.optim.Optimizer, *, allow_fp16: bool) -> GradGroups:
     """The checkable views of ``optimizer``'s gradients, by device then dtype.
 
     Raises ``ValueError`` (torch's message, with advice) on a float16 gradient unless ``allow_fp16``.
-    May replace a sparse float16 ``.grad`` by its coalesced copy.
+    May replace a sparse float16 ``.grad`` by its coalesced copy. Dense plain gradients, the common
+    case, are grouped by torch's C++ helper; sparse, complex and DTensor ones take the slow path.
     """
+    params = [p for p in iter_params(optimizer) if p.grad is not None]
+    dense: list[torch.Tensor] = []
+    special: list[torch.Tensor] = []
+    for param in params:
+        grad = param.grad
+        (dense if type(grad) is torch.Tensor and not grad.is_sparse else special).append(param)  # type: ignore[union-attr]
     groups: GradGroups = defaultdict(lambda: defaultdict(list))
     with torch.no_grad():
-        for param in iter_params(optimizer):
-            grad = param.grad
-            if grad is None:
-                continue
-            grad = _local(grad)
-            if not allow_fp16 and grad.dtype == torch.float16:
-                raise ValueError(FP16_GRADS_MESSAGE)
-            if grad.is_sparse:
-                if grad.dtype is torch.float16:
-                    param.grad = param.grad.coalesce()
-                    grad = _local(param.grad)
-                grad = grad._values()
-            if grad.is_complex():
-                grad = torch.view_as_real(grad)
+        if dense:
+            grouped = torch._C._group_tensors_by_device_and_dtype([[p.grad for p in dense]], False)
+            for (device, dtype), (tensor_lists, _) in grouped.items():
+                tensors = tensor_lists[0]
+                if dtype.is_complex:
+                    tensors = [torch.view_as_real(t) for t in tensors]
+                    dtype = tensors[0].dtype
+                elif dtype == torch.float16 and not allow_fp16:
+                    raise ValueError(FP16_GRADS_MESSAGE)
+                groups[device][dtype].extend(tensors)
+        for param in special:
+            grad = _special_view(param, allow_fp16)
             groups[grad.device][grad.dtype].append(grad)
     return groups
+
+
+def _special_view(param: torch.Tensor, allow_fp16: bool) -> torch.Tensor:
+    """The checkable view of a sparse or DTensor gradient (coalescing float16 sparse ones)."""
+    grad = _local(param.grad)  # type: ignore[arg-type]
+    if not allow_fp16 and grad.dtype == torch.float16:
+        raise ValueError(FP16_GRADS_MESSAGE)
+    if grad.is_sparse:
+        if grad.dtype is torch.float16:
+            param.grad = param.grad.coalesce()  # type: ignore[union-attr]
+            grad = _local(param.grad)
+        grad = grad._values()
+    if grad.is_complex():
+        grad = torch.view_as_real(grad)
+    return grad
 
 
 def unscale_and_check_(groups: GradGroups, inv_scale: torch.Tensor) -> dict[torch.device, torch.Tensor]:

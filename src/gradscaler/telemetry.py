@@ -48,9 +48,11 @@ class Telemetry:
         self.scale_history.index_copy_(0, slot, after.view(1))
         self.skip_history.index_copy_(0, slot, skipped.view(1))
         self.step.add_(1)
+        if self.counters.is_cuda and torch.cuda.is_current_stream_capturing():
+            return  # under CUDA-graph capture the counters stay on the device: read them with stats()
         self._mirror.copy_(self.counters, non_blocking=True)
         self._scale_mirror.copy_(after, non_blocking=True)
-        if self.counters.is_cuda and not torch.cuda.is_current_stream_capturing():
+        if self.counters.is_cuda:
             self._event = torch.cuda.Event()
             self._event.record()
 

@@ -11,6 +11,7 @@ and cached by the gradients' addresses, which the caching allocator keeps stable
 from __future__ import annotations
 
 import math
+import os
 from collections import OrderedDict
 
 import torch
@@ -25,8 +26,9 @@ try:
 except ImportError:  # pragma: no cover - exercised on machines without Triton
     AVAILABLE = False
 
-CHUNK = 65536
-BLOCK = 2048
+CHUNK = int(os.environ.get("GRADSCALER_CHUNK", 65536))
+BLOCK = int(os.environ.get("GRADSCALER_BLOCK", 2048))
+NUM_WARPS = int(os.environ.get("GRADSCALER_WARPS", 4))
 MAX_TENSORS = 2048
 MODE_CHECK, MODE_SQUARES, MODE_MAX, MODE_POWER = 0, 1, 2, 3
 
@@ -118,18 +120,27 @@ class _Tables:
 
 _CACHE: OrderedDict[tuple[object, ...], _Tables] = OrderedDict()
 _CACHE_SIZE = 16
+_CAPTURED: dict[tuple[object, ...], _Tables] = {}
+"""Tables used inside a CUDA graph capture: the graph reads them at every replay, so never evicted."""
 
 
-def _tables(grads: list[torch.Tensor]) -> _Tables:
-    key = (grads[0].device, tuple((g.data_ptr(), g.numel()) for g in grads))
-    found = _CACHE.get(key)
+def _tables(grads: list[torch.Tensor]) -> _Tables | None:
+    """The device tables for ``grads``; None when they are new and a CUDA graph is being captured
+    (building them needs a host-to-device copy, which a capture must not contain)."""
+    key = (grads[0].device, tuple([(g.data_ptr(), g.numel()) for g in grads]))
+    capturing = grads[0].is_cuda and torch.cuda.is_current_stream_capturing()
+    found = _CAPTURED.get(key) or _CACHE.get(key)
     if found is None:
+        if capturing:
+            return None
         found = _Tables(grads)
         _CACHE[key] = found
         if len(_CACHE) > _CACHE_SIZE:
             _CACHE.popitem(last=False)
-    else:
+    elif key in _CACHE:
         _CACHE.move_to_end(key)
+    if capturing:
+        _CAPTURED[key] = found
     return found
 
 
@@ -143,24 +154,27 @@ def _mode(norm_type: float | None) -> int:
 
 def grad_stats(grads: list[torch.Tensor], norm_type: float | None) -> GradStats:
     """See ``gradscaler.kernels.grad_stats``. Tensors must be contiguous; others are read via a copy."""
-    device = grads[0].device
-    flag = torch.zeros((), dtype=torch.float32, device=device)
+    parts = [[g if g.is_contiguous() else g.contiguous() for g in grads[i : i + MAX_TENSORS]]
+             for i in range(0, len(grads), MAX_TENSORS)]
+    tables = [_tables(part) for part in parts]
+    if any(t is None for t in tables):  # new gradients inside a graph capture: torch's ops instead
+        from gradscaler.kernels import torch_stats
+
+        return torch_stats.grad_stats(grads, norm_type)
+    flag = torch.zeros((), dtype=torch.float32, device=grads[0].device)
     mode = _mode(norm_type)
-    norms = []
-    for start in range(0, len(grads), MAX_TENSORS):
-        part = [g if g.is_contiguous() else g.contiguous() for g in grads[start : start + MAX_TENSORS]]
-        norms.append(_launch(part, mode, float(norm_type or 0.0), flag))
+    norms = [_launch(part, table, mode, float(norm_type or 0.0), flag)  # type: ignore[arg-type]
+             for part, table in zip(parts, tables, strict=True)]
     return GradStats(flag, None if mode == MODE_CHECK else torch.cat(norms))
 
 
-def _launch(grads: list[torch.Tensor], mode: int, p: float, flag: torch.Tensor) -> torch.Tensor:
-    tables = _tables(grads)
+def _launch(grads: list[torch.Tensor], tables: _Tables, mode: int, p: float, flag: torch.Tensor) -> torch.Tensor:
     device = grads[0].device
     partial = torch.empty(tables.num_chunks if mode != MODE_CHECK else 1, dtype=torch.float32, device=device)
     _chunk_kernel[(tables.num_chunks,)](
         tables.table, tables.offsets, len(grads), partial, flag, p,
         DTYPE=_TRITON_DTYPES[grads[0].dtype], MODE=mode, CHUNK_SIZE=CHUNK, BLOCK_SIZE=BLOCK,
-        TABLE_BLOCK=triton.next_power_of_2(len(grads) + 1),
+        TABLE_BLOCK=triton.next_power_of_2(len(grads) + 1), num_warps=NUM_WARPS,
     )
     norms = torch.empty(len(grads), dtype=torch.float32, device=device)
     if mode != MODE_CHECK:
