@@ -12,7 +12,8 @@ from gradscaler.kernels import torch_stats
 triton_stats = pytest.importorskip("gradscaler.kernels.triton_stats")
 pytestmark = pytest.mark.skipif(not triton_stats.AVAILABLE, reason="triton is not installed")
 
-SHAPES = [(300, 50), (7,), (0,), (70_001,), (3, 4, 5), (1,)]
+# Chunk edges: 70_001 spans two chunks (the first full), 131_072 is exactly two, 4_096 one block.
+SHAPES = [(300, 50), (7,), (0,), (70_001,), (3, 4, 5), (1,), (131_072,), (4_096,)]
 NORMS = [None, 1.0, 2.0, 3.0, math.inf]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -46,7 +47,7 @@ def test_norms_match_float64(impl, p: float | None, dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("impl", [torch_stats, triton_stats], ids=["torch", "triton"])
 @pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan], ids=["inf", "-inf", "nan"])
-@pytest.mark.parametrize("where", [0, 3, 5], ids=["first", "big", "last"])
+@pytest.mark.parametrize("where", [0, 3, 6], ids=["first", "big", "two_chunks"])
 @pytest.mark.parametrize("p", [None, 2.0, math.inf], ids=str)
 def test_flag_catches_every_nonfinite_value(impl, bad: float, where: int, p: float | None) -> None:  # noqa: ANN001
     tensors = grads(seed=where)
@@ -71,6 +72,13 @@ def test_triton_norms_are_deterministic() -> None:
     first = triton_stats.grad_stats(tensors, 2.0).norms
     for _ in range(3):
         assert torch.equal(triton_stats.grad_stats(tensors, 2.0).norms, first)
+
+
+def test_unaligned_views() -> None:
+    flat = torch.randn(100_003, device=DEVICE)
+    tensors = [flat[1:70_000], flat[3:]]  # 4- and 12-byte offsets: not 16-byte aligned
+    stats = triton_stats.grad_stats(tensors, 2.0)
+    torch.testing.assert_close(stats.norms.double().cpu(), reference(tensors, 2.0), rtol=1e-5, atol=0)
 
 
 def test_non_contiguous_tensors() -> None:

@@ -166,7 +166,7 @@ class _StepVariant:
 def _compare(a: list[torch.Tensor], b: list[torch.Tensor]) -> str:
     if all(torch.equal(x, y) for x, y in zip(a, b, strict=True)):
         return "bit-identical"
-    worst = max(float(torch.linalg.vector_norm((x - y).double()) / torch.linalg.vector_norm(y.double()).clamp_min(1e-30))
+    worst = max(float(torch.linalg.vector_norm((x - y).detach().double()) / torch.linalg.vector_norm(y.detach().double()).clamp_min(1e-30))
                 for x, y in zip(a, b, strict=True))
     return f"rel diff {worst:.1e}"
 

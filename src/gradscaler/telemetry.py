@@ -58,6 +58,8 @@ class Telemetry:
 
     def landed(self) -> dict[str, Any] | None:
         """Counters and scale as of the last record whose copy has landed on the host, else None. No sync."""
+        if self.counters.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None  # an event cannot be queried while a graph is being captured
         if self._event is not None and not self._event.query():
             return None
         landed: dict[str, Any] = dict(zip(COUNTERS, self._mirror.tolist(), strict=True))

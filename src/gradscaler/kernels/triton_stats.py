@@ -26,13 +26,26 @@ try:
 except ImportError:  # pragma: no cover - exercised on machines without Triton
     AVAILABLE = False
 
+# Defaults from benchmarks/tune_kernel.py on an H100 (355M float32 values, 291 tensors).
 CHUNK = int(os.environ.get("GRADSCALER_CHUNK", 65536))
-BLOCK = int(os.environ.get("GRADSCALER_BLOCK", 2048))
-NUM_WARPS = int(os.environ.get("GRADSCALER_WARPS", 4))
+BLOCK = int(os.environ.get("GRADSCALER_BLOCK", 4096))
+NUM_WARPS = int(os.environ.get("GRADSCALER_WARPS", 8))
 MAX_TENSORS = 2048
 MODE_CHECK, MODE_SQUARES, MODE_MAX, MODE_POWER = 0, 1, 2, 3
 
 if AVAILABLE:
+
+    @triton.jit
+    def _accumulate(x, acc, bad, p, MODE: tl.constexpr):
+        """Fold one block of float32 values into the running norm term and non-finite bits."""
+        bad = bad | ((x - x) != 0).to(tl.int32)  # inf - inf and NaN - NaN are NaN; finite gives 0
+        if MODE == 1:
+            acc += x * x
+        elif MODE == 2:
+            acc = tl.maximum(acc, tl.abs(x))
+        elif MODE == 3:
+            acc += tl.exp2(p * tl.log2(tl.abs(x)))
+        return acc, bad
 
     @triton.jit
     def _chunk_kernel(
@@ -44,6 +57,7 @@ if AVAILABLE:
         p,
         DTYPE: tl.constexpr,
         MODE: tl.constexpr,
+        ALIGNED: tl.constexpr,
         CHUNK_SIZE: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
         TABLE_BLOCK: tl.constexpr,
@@ -55,19 +69,20 @@ if AVAILABLE:
         first = tl.load(offsets_ptr + tensor)
         numel = tl.load(table_ptr + num_tensors + tensor)
         ptr = tl.load(table_ptr + tensor).to(tl.pointer_type(DTYPE))
+        if ALIGNED:
+            ptr = tl.multiple_of(ptr, 16)
         base = (pid - first).to(tl.int64) * CHUNK_SIZE
+        count = tl.minimum(numel - base, CHUNK_SIZE)
+        full = (count // BLOCK_SIZE) * BLOCK_SIZE
         acc = tl.zeros((BLOCK_SIZE,), dtype=tl.float32)
         bad = tl.zeros((BLOCK_SIZE,), dtype=tl.int32)
-        for start in range(0, CHUNK_SIZE, BLOCK_SIZE):
-            offs = base + start + tl.arange(0, BLOCK_SIZE)
-            x = tl.load(ptr + offs, mask=offs < numel, other=0.0).to(tl.float32)
-            bad = bad | ((x - x) != 0).to(tl.int32)
-            if MODE == 1:
-                acc += x * x
-            elif MODE == 2:
-                acc = tl.maximum(acc, tl.abs(x))
-            elif MODE == 3:
-                acc += tl.exp2(p * tl.log2(tl.abs(x)))
+        lanes = tl.arange(0, BLOCK_SIZE)
+        for start in range(0, full, BLOCK_SIZE):  # whole blocks: unmasked, vectorised loads
+            x = tl.load(ptr + base + start + lanes).to(tl.float32)
+            acc, bad = _accumulate(x, acc, bad, p, MODE)
+        tail = full + lanes  # the partial last block of this chunk (empty when count % BLOCK == 0)
+        x = tl.load(ptr + base + tail, mask=tail < count, other=0.0).to(tl.float32)
+        acc, bad = _accumulate(x, acc, bad, p, MODE)
         nonfinite = tl.max(bad, axis=0)
         tl.atomic_max(flag_ptr, 1.0, mask=nonfinite > 0)
         if MODE == 2:
@@ -116,6 +131,7 @@ class _Tables:
         self.table = table.to(device, non_blocking=True)
         self.offsets = offs.to(device, non_blocking=True)
         self.num_chunks = offsets[-1]
+        self.aligned = all(g.data_ptr() % 16 == 0 for g in grads)
 
 
 _CACHE: OrderedDict[tuple[object, ...], _Tables] = OrderedDict()
@@ -173,7 +189,7 @@ def _launch(grads: list[torch.Tensor], tables: _Tables, mode: int, p: float, fla
     partial = torch.empty(tables.num_chunks if mode != MODE_CHECK else 1, dtype=torch.float32, device=device)
     _chunk_kernel[(tables.num_chunks,)](
         tables.table, tables.offsets, len(grads), partial, flag, p,
-        DTYPE=_TRITON_DTYPES[grads[0].dtype], MODE=mode, CHUNK_SIZE=CHUNK, BLOCK_SIZE=BLOCK,
+        DTYPE=_TRITON_DTYPES[grads[0].dtype], MODE=mode, ALIGNED=tables.aligned, CHUNK_SIZE=CHUNK, BLOCK_SIZE=BLOCK,
         TABLE_BLOCK=triton.next_power_of_2(len(grads) + 1), num_warps=NUM_WARPS,
     )
     norms = torch.empty(len(grads), dtype=torch.float32, device=device)
