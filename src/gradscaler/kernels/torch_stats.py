@@ -63,7 +63,11 @@ def grad_stats(grads: list[torch.Tensor], norm_type: float | None) -> GradStats:
     device = grads[0].device
     if device.type != "cpu":
         ord_ = math.inf if norm_type is None else norm_type
-        norms = torch.stack(list(torch._foreach_norm(grads, ord_, dtype=torch.float32)))
+        norms = torch.zeros(len(grads), dtype=torch.float32, device=device)
+        present = [i for i, g in enumerate(grads) if g.numel()]  # the inf-norm of nothing is an error
+        if present:
+            values = torch._foreach_norm([grads[i] for i in present], ord_, dtype=torch.float32)
+            norms[present] = torch.stack(list(values))
         return GradStats(_nonfinite(norms), None if norm_type is None else norms)
     if norm_type is None:
         return GradStats(_nonfinite(_extremes(grads, device)), None)
