@@ -1,0 +1,103 @@
+"""Skip signal, stats, history, loggers and overflow attribution."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import torch
+from torch import nn
+
+from gradscaler import GradScaler, JsonLinesLogger
+from gradscaler.telemetry import SATURATE
+
+
+def steps(scaler: GradScaler, flags: list[bool], fused: bool = False) -> tuple[torch.optim.Optimizer, list[bool]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=fused)
+    scaler.name_parameters(model)
+    seen = []
+    for bad in flags:
+        opt.zero_grad()
+        scaler.scale(model(torch.ones(2, 3)).sum()).backward()
+        if bad:
+            model[1].bias.grad[0] = math.inf
+        scaler.step(opt)
+        scaler.update()
+        seen.append(scaler.last_step_skipped())
+    return opt, seen
+
+
+def test_last_step_skipped_and_device_flag_with_fused_optimizer() -> None:
+    scaler = GradScaler("cpu", init_scale=16.0)
+    assert not scaler.last_step_skipped() and scaler.last_found_inf() is None
+    _, seen = steps(scaler, [False, True, False, True, True], fused=True)
+    assert seen == [False, True, False, True, True]
+    flag = scaler.last_found_inf()
+    assert isinstance(flag, torch.Tensor) and flag.dim() == 0 and float(flag) == 1.0
+
+
+def test_scheduler_steps_only_on_real_steps() -> None:
+    scaler = GradScaler("cpu", init_scale=16.0)
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for bad in (False, True, False):
+        opt.zero_grad()
+        scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+        if bad:
+            model.bias.grad[0] = math.nan
+        scaler.step(opt)
+        scaler.update()
+        if not scaler.last_step_skipped():
+            sched.step()
+    assert sched.last_epoch == 2 and opt.param_groups[0]["lr"] == 0.25
+
+
+def test_stats_counts_and_history() -> None:
+    scaler = GradScaler("cpu", init_scale=16.0, growth_interval=2, history=4)
+    flags = [False, False, True, True, False, False, False]
+    steps(scaler, flags)
+    stats = scaler.stats()
+    assert stats["steps"] == 7 and stats["skipped_steps"] == 2 and stats["consecutive_skips"] == 0
+    assert stats["growths"] == 2 and stats["backoffs"] == 2 and stats["scale"] == 16.0
+    history = scaler.history()
+    assert history["skipped"] == [True, False, False, False]  # the last 4 steps, oldest first
+    assert history["scale"] == [8.0, 8.0, 16.0, 16.0]
+
+
+def test_counters_saturate() -> None:
+    scaler = GradScaler("cpu", init_scale=16.0)
+    state = {"scale": 16.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000,
+             "_growth_tracker": 0, "skipped_steps": SATURATE, "consecutive_skips": SATURATE}
+    scaler.load_state_dict(state)
+    steps(scaler, [True, True])
+    stats = scaler.stats()
+    assert stats["skipped_steps"] == SATURATE and stats["consecutive_skips"] == SATURATE
+
+
+def test_json_lines_logger(tmp_path) -> None:  # noqa: ANN001
+    path = tmp_path / "scaler.jsonl"
+    scaler = GradScaler("cpu", init_scale=16.0)
+    scaler.add_logger(JsonLinesLogger(path), every=2)
+    steps(scaler, [False, True, False, False])
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in records] == [2, 4]
+    assert records[0]["skipped_steps"] == 1 and records[0]["scale"] == 8.0
+    assert records[1]["consecutive_skips"] == 0
+
+
+def test_overflow_attribution_by_name_and_by_position() -> None:
+    scaler = GradScaler("cpu", init_scale=16.0)
+    opt, _ = steps(scaler, [True])  # the scaler holds optimizers weakly: keep it alive
+    assert scaler.nonfinite_parameters() == ["1.bias"]
+    del opt
+    anonymous = GradScaler("cpu", init_scale=16.0)
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    anonymous.scale(model(torch.ones(1, 2)).sum()).backward()
+    model.weight.grad[0, 0] = math.nan
+    anonymous.step(opt)
+    anonymous.update()
+    assert anonymous.nonfinite_parameters() == ["param_groups[0][0] (2, 2)"]
