@@ -16,7 +16,7 @@ from gradscaler.bench import gpt2_shapes
 from gradscaler.kernels import triton_stats
 
 
-def median_ms(fn, reps: int = 40) -> float:  # noqa: ANN001
+def median_ms(fn, reps: int = 40) -> float:
     for _ in range(5):
         fn()
     times = []
@@ -45,8 +45,10 @@ def main() -> None:
         triton_stats._CACHE.clear()
         l2 = median_ms(lambda: triton_stats.grad_stats(grads, 2.0))
         check = median_ms(lambda: triton_stats.grad_stats(grads, None))
-        print(f"chunk {chunk:6d} block {block:4d} warps {warps}: L2 {l2:.3f} ms ({copy / 2 / l2:.0%}), "
-              f"check {check:.3f} ms ({copy / 2 / check:.0%})")
+        print(
+            f"chunk {chunk:6d} block {block:4d} warps {warps}: L2 {l2:.3f} ms ({copy / 2 / l2:.0%}), "
+            f"check {check:.3f} ms ({copy / 2 / check:.0%})"
+        )
 
 
 if __name__ == "__main__":

@@ -6,11 +6,11 @@ import math
 
 import pytest
 import torch
-from helpers import assert_same_trace, run
 from torch import nn
 
 from gradscaler import GradScaler
 from gradscaler.scaler import OptState
+from helpers import assert_same_trace, run
 
 # Per step, our norm and torch's differ only in float32 summation order (a few ulps; the single-step
 # tests below hold them to 1e-5 against float64). Over a 30-step trajectory those ulps feed back
@@ -52,8 +52,11 @@ def test_no_clip_is_bit_identical_to_plain_run() -> None:
 def test_norm_against_float64_and_the_result_of_the_step(p: float, fused: bool) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 8))
-    opt = torch.optim.SGD(model.parameters(), lr=1.0, fused=fused) if fused else torch.optim.SGD(
-        model.parameters(), lr=1.0, foreach=True)
+    opt = (
+        torch.optim.SGD(model.parameters(), lr=1.0, fused=fused)
+        if fused
+        else torch.optim.SGD(model.parameters(), lr=1.0, foreach=True)
+    )
     scaler = GradScaler("cpu", init_scale=2.0**9)
     scaler.scale(model(torch.randn(4, 16)).pow(2).sum()).backward()
     scaled = [p_.grad.double().clone() for p_ in model.parameters()]
@@ -77,9 +80,9 @@ def test_misuse() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = GradScaler("cpu")
     scaler.scale(model(torch.ones(1, 2)).sum()).backward()
-    with pytest.raises(ValueError, match="max_norm must be a number >= 0, got -1.0"):
+    with pytest.raises(ValueError, match=r"max_norm must be a number >= 0, got -1\.0"):
         scaler.clip_grad_norm_(opt, -1.0)
-    with pytest.raises(ValueError, match="norm_type must be a p > 0 or inf, got 0"):
+    with pytest.raises(ValueError, match=r"norm_type must be a p > 0 or inf, got 0"):
         scaler.clip_grad_norm_(opt, 1.0, 0)
     assert scaler._per_optimizer_states[id(opt)]["stage"] is OptState.READY
     scaler.clip_grad_norm_(opt, 1.0)

@@ -19,13 +19,16 @@ def model_and_data(seed: int = 0) -> tuple[nn.Module, list[tuple[torch.Tensor, t
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 8)).cuda()
     gen = torch.Generator(device="cuda").manual_seed(seed + 1)
-    data = [(torch.randn(32, 64, device="cuda", generator=gen), torch.randn(32, 8, device="cuda", generator=gen))
-            for _ in range(8)]
+    data = [
+        (torch.randn(32, 64, device="cuda", generator=gen), torch.randn(32, 8, device="cuda", generator=gen))
+        for _ in range(8)
+    ]
     return model, data
 
 
-def train_step(model: nn.Module, opt: torch.optim.Optimizer, scaler: GradScaler, x: torch.Tensor,
-               y: torch.Tensor, clip: bool) -> torch.Tensor:
+def train_step(
+    model: nn.Module, opt: torch.optim.Optimizer, scaler: GradScaler, x: torch.Tensor, y: torch.Tensor, clip: bool
+) -> torch.Tensor:
     with torch.autocast("cuda", dtype=torch.float16):
         loss = nn.functional.mse_loss(model(x).float(), y)
     scaler.scale(loss).backward()

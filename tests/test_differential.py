@@ -7,9 +7,9 @@ import warnings
 
 import pytest
 import torch
-from helpers import MODES, OPTIMIZERS, assert_same_trace, run
 
 import gradscaler
+from helpers import MODES, OPTIMIZERS, assert_same_trace, run
 
 INF, NAN = float("inf"), float("nan")
 # Injected faults: single, consecutive (steps 8-9), each kind, in different parameters.

@@ -9,13 +9,13 @@ import zlib
 
 import pytest
 import torch
-from helpers import assert_same_state, make_optimizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
 from gradscaler import GradScaler
 from gradscaler.rule import SCALE_FLOOR, ScaleRule, update_scale_
+from helpers import assert_same_state, make_optimizer
 
 STEPS = 600
 CONFIGS = [("sgd", "foreach"), ("adam", "fused"), ("adamw", "forloop"), ("adagrad", "fused"), ("sgd", "fused")]
@@ -59,8 +59,9 @@ class Run:
         self.scaler.update()
 
     def checkpoint(self) -> dict:
-        return copy.deepcopy({"model": self.model.state_dict(), "opt": self.opt.state_dict(),
-                              "scaler": self.scaler.state_dict()})
+        return copy.deepcopy(
+            {"model": self.model.state_dict(), "opt": self.opt.state_dict(), "scaler": self.scaler.state_dict()}
+        )
 
     def restore(self, ckpt: dict) -> None:
         self.model.load_state_dict(ckpt["model"])
@@ -139,9 +140,14 @@ def python_rule(flags: list[bool], rule: ScaleRule, init: float) -> list[float]:
     exponent=st.integers(-10, 30),
     bounds=st.sampled_from([(None, None), (2.0**-3, None), (None, 2.0**12), (1.0, 2.0**8)]),
 )
-def test_rule_matches_its_pseudo_code(flags, hysteresis, refill, interval, exponent, bounds) -> None:  # noqa: ANN001
-    rule = ScaleRule(growth_interval=interval, hysteresis=hysteresis, hysteresis_refill=refill,
-                     min_scale=bounds[0], max_scale=bounds[1])
+def test_rule_matches_its_pseudo_code(flags, hysteresis, refill, interval, exponent, bounds) -> None:
+    rule = ScaleRule(
+        growth_interval=interval,
+        hysteresis=hysteresis,
+        hysteresis_refill=refill,
+        min_scale=bounds[0],
+        max_scale=bounds[1],
+    )
     init = min(max(2.0**exponent, rule.lower), rule.upper)
     scale, tracker = torch.tensor(init), torch.tensor(0, dtype=torch.int32)
     left = torch.tensor(hysteresis, dtype=torch.int32)

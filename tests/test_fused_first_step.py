@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import OPTIMIZERS, assert_same_state, batches, make_model, make_optimizer, optimizer_state
 from torch import nn
 
 from gradscaler import GradScaler
+from helpers import OPTIMIZERS, assert_same_state, batches, make_model, make_optimizer, optimizer_state
 
 
 def train(optimizer: str, skip_steps: set[int], *, reference: bool) -> tuple[list[torch.Tensor], dict]:

@@ -29,7 +29,7 @@ def test_sparse_gradients_are_unscaled_like_torch() -> None:
 
 
 @pytest.mark.parametrize("scaler_cls", [GradScaler, torch.amp.GradScaler], ids=["ours", "torch"])
-def test_fp16_sparse_gradients_are_coalesced_before_the_check(scaler_cls) -> None:  # noqa: ANN001
+def test_fp16_sparse_gradients_are_coalesced_before_the_check(scaler_cls) -> None:
     param = nn.Parameter(torch.zeros(4, 2, dtype=torch.float16))
     # Two entries for row 1 that are finite apart but sum past float16's max.
     indices = torch.tensor([[1, 1]])

@@ -25,14 +25,20 @@ def grads(seed: int, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
 
 def reference(tensors: list[torch.Tensor], p: float) -> torch.Tensor:
     """float64 norms; an empty tensor's norm is 0 (vector_norm refuses an empty inf-norm)."""
-    return torch.stack([torch.linalg.vector_norm(t.double().cpu().reshape(-1), p) if t.numel()
-                        else torch.zeros((), dtype=torch.float64) for t in tensors])
+    return torch.stack(
+        [
+            torch.linalg.vector_norm(t.double().cpu().reshape(-1), p)
+            if t.numel()
+            else torch.zeros((), dtype=torch.float64)
+            for t in tensors
+        ]
+    )
 
 
 @pytest.mark.parametrize("impl", [torch_stats, triton_stats], ids=["torch", "triton"])
 @pytest.mark.parametrize("p", NORMS, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-def test_norms_match_float64(impl, p: float | None, dtype: torch.dtype) -> None:  # noqa: ANN001
+def test_norms_match_float64(impl, p: float | None, dtype: torch.dtype) -> None:
     tensors = grads(seed=NORMS.index(p) + 7, dtype=dtype)
     stats = impl.grad_stats(tensors, p)
     assert float(stats.nonfinite) == 0.0
@@ -49,7 +55,7 @@ def test_norms_match_float64(impl, p: float | None, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan], ids=["inf", "-inf", "nan"])
 @pytest.mark.parametrize("where", [0, 3, 6], ids=["first", "big", "two_chunks"])
 @pytest.mark.parametrize("p", [None, 2.0, math.inf], ids=str)
-def test_flag_catches_every_nonfinite_value(impl, bad: float, where: int, p: float | None) -> None:  # noqa: ANN001
+def test_flag_catches_every_nonfinite_value(impl, bad: float, where: int, p: float | None) -> None:
     tensors = grads(seed=where)
     before = [t.clone() for t in tensors]
     index = tensors[where].numel() - 1

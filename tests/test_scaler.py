@@ -16,7 +16,7 @@ import gradscaler
 from gradscaler import GradScaler, OptState
 
 
-def setup(scaler_cls=GradScaler, **kwargs):  # noqa: ANN001, ANN201
+def setup(scaler_cls=GradScaler, **kwargs):
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -24,18 +24,24 @@ def setup(scaler_cls=GradScaler, **kwargs):  # noqa: ANN001, ANN201
     return model, opt, scaler
 
 
-def backward(model: nn.Module, scaler) -> None:  # noqa: ANN001
+def backward(model: nn.Module, scaler) -> None:
     scaler.scale(model(torch.randn(3, 4)).sum()).backward()
 
 
-def snapshot(scaler) -> tuple:  # noqa: ANN001
+def snapshot(scaler) -> tuple:
     per_opt = {k: v["stage"] for k, v in scaler._per_optimizer_states.items()}
     return scaler.get_scale(), scaler._get_growth_tracker(), per_opt
 
 
 def test_public_methods_match_torch_signatures() -> None:
-    ecosystem = {"_lazy_init_scale_growth_tracker", "_check_inf_per_device", "_found_inf_per_device",
-                 "_get_scale_async", "__getstate__", "__setstate__"}
+    ecosystem = {
+        "_lazy_init_scale_growth_tracker",
+        "_check_inf_per_device",
+        "_found_inf_per_device",
+        "_get_scale_async",
+        "__getstate__",
+        "__setstate__",
+    }
     for name, member in inspect.getmembers(torch.amp.GradScaler, inspect.isfunction):
         if name.startswith("_") and name not in ecosystem:
             continue
@@ -61,23 +67,33 @@ def test_all_public_names_exist_and_are_documented() -> None:
 @pytest.mark.parametrize(
     ("misuse", "error", "message"),
     [
-        ("unscale_twice", RuntimeError, "unscale_() has already been called on this optimizer since the last update()."),
+        (
+            "unscale_twice",
+            RuntimeError,
+            "unscale_() has already been called on this optimizer since the last update().",
+        ),
         ("unscale_after_step", RuntimeError, "unscale_() is being called after step()."),
         ("step_twice", RuntimeError, "step() has already been called since the last update()."),
         ("closure_kwarg", RuntimeError, "Closure use is not currently supported if GradScaler is enabled."),
-        ("step_before_scale", AssertionError,
-         "Attempted step but _scale is None.  This may indicate your script did not use "
-         "scaler.scale(loss or outputs) earlier in the iteration."),
+        (
+            "step_before_scale",
+            AssertionError,
+            "Attempted step but _scale is None.  This may indicate your script did not use "
+            "scaler.scale(loss or outputs) earlier in the iteration.",
+        ),
         ("update_before_scale", AssertionError, "Attempted update but _scale is None."),
         ("unscale_before_scale", AssertionError, "Attempted unscale_ but _scale is None."),
         ("update_without_step", AssertionError, "No inf checks were recorded prior to update."),
         ("bad_outputs", ValueError, "outputs must be a Tensor or an iterable of Tensors"),
         ("new_scale_requires_grad", AssertionError, "new_scale should be a float or a 1-element"),
-        ("empty_state_dict", RuntimeError, "The source state dict is empty, possibly because it was saved "
-         "from a disabled instance of GradScaler."),
+        (
+            "empty_state_dict",
+            RuntimeError,
+            "The source state dict is empty, possibly because it was saved from a disabled instance of GradScaler.",
+        ),
     ],
 )
-def test_misuse_raises_torchs_error_and_changes_nothing(scaler_cls, misuse: str, error: type, message: str) -> None:  # noqa: ANN001
+def test_misuse_raises_torchs_error_and_changes_nothing(scaler_cls, misuse: str, error: type, message: str) -> None:
     model, opt, scaler = setup(scaler_cls)
     if not misuse.endswith("before_scale"):
         backward(model, scaler)
@@ -139,7 +155,7 @@ def test_scale_preserves_structure() -> None:
 
 
 def test_update_accepts_float_int_and_tensor() -> None:
-    model, opt, scaler = setup()
+    model, _, scaler = setup()
     backward(model, scaler)
     scaler.update(1024)  # torch raises AttributeError on an int
     assert scaler.get_scale() == 1024.0
@@ -179,16 +195,30 @@ def test_disabled_scaler_is_transparent() -> None:
 
 def test_cuda_without_cuda_warns_and_disables(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.warns(UserWarning, match=r"^torch.cuda.amp.GradScaler is enabled, but CUDA is not available.  Disabling.$"):
+    with pytest.warns(
+        UserWarning, match=r"^torch.cuda.amp.GradScaler is enabled, but CUDA is not available.  Disabling.$"
+    ):
         scaler = GradScaler()
     assert not scaler.is_enabled()
 
 
 NON_DEFAULT = {
-    "scale": 512.0, "growth_factor": 3.0, "backoff_factor": 0.25, "growth_interval": 17, "_growth_tracker": 5,
-    "hysteresis": 3, "hysteresis_refill_on_growth": True, "min_scale": 2.0, "max_scale": 2.0**20,
-    "_hysteresis_tracker": 2, "steps": 99, "skipped_steps": 7, "consecutive_skips": 1, "growths": 4,
-    "backoffs": 3, "collapse_run": 0,
+    "scale": 512.0,
+    "growth_factor": 3.0,
+    "backoff_factor": 0.25,
+    "growth_interval": 17,
+    "_growth_tracker": 5,
+    "hysteresis": 3,
+    "hysteresis_refill_on_growth": True,
+    "min_scale": 2.0,
+    "max_scale": 2.0**20,
+    "_hysteresis_tracker": 2,
+    "steps": 99,
+    "skipped_steps": 7,
+    "consecutive_skips": 1,
+    "growths": 4,
+    "backoffs": 3,
+    "collapse_run": 0,
 }
 
 
@@ -205,7 +235,7 @@ def test_state_dict_round_trips_every_field(after_first_scale: bool) -> None:
     assert fresh._rule.hysteresis_refill == "growth"
 
 
-def test_state_dict_interoperates_with_torch(tmp_path) -> None:  # noqa: ANN001
+def test_state_dict_interoperates_with_torch(tmp_path) -> None:
     model, opt, theirs = setup(torch.amp.GradScaler, init_scale=256.0, growth_interval=3)
     backward(model, theirs)
     theirs.step(opt)

@@ -33,7 +33,7 @@ def compare(loop: Loop, *, models: int = 1, fused: bool = False, steps: int = 12
 
 
 def test_gradient_penalty() -> None:
-    def loop(scaler, nets, opts, step):  # noqa: ANN001
+    def loop(scaler, nets, opts, step):
         net, opt = nets[0], opts[0]
         opt.zero_grad()
         loss = net(torch.randn(4, 8)).pow(2).mean()
@@ -48,7 +48,7 @@ def test_gradient_penalty() -> None:
 
 
 def test_gradient_accumulation() -> None:
-    def loop(scaler, nets, opts, step):  # noqa: ANN001
+    def loop(scaler, nets, opts, step):
         opts[0].zero_grad()
         for _ in range(3):
             scaler.scale(nets[0](torch.randn(4, 8)).pow(2).mean() / 3).backward()
@@ -62,7 +62,7 @@ def test_gradient_accumulation() -> None:
 
 @pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
 def test_two_losses_two_optimizers_one_update(fused: bool) -> None:
-    def loop(scaler, nets, opts, step):  # noqa: ANN001
+    def loop(scaler, nets, opts, step):
         for opt in opts:
             opt.zero_grad()
         x = torch.randn(4, 8)
@@ -82,7 +82,7 @@ def test_two_losses_two_optimizers_one_update(fused: bool) -> None:
 
 
 def test_preset_grad_scale_on_fused_optimizer_is_honoured() -> None:
-    def loop(scaler, nets, opts, step):  # noqa: ANN001
+    def loop(scaler, nets, opts, step):
         opts[0].zero_grad()
         scaler.scale(nets[0](torch.randn(4, 8)).pow(2).mean()).backward()
         opts[0].grad_scale = torch.tensor(4.0)
@@ -93,7 +93,7 @@ def test_preset_grad_scale_on_fused_optimizer_is_honoured() -> None:
 
 
 def test_growth_refused_when_scale_times_growth_factor_is_not_finite() -> None:
-    def loop(scaler, nets, opts, step):  # noqa: ANN001
+    def loop(scaler, nets, opts, step):
         opts[0].zero_grad()
         scaler.scale(nets[0](torch.randn(4, 8)).mean() * 0.0).backward()
         scaler.step(opts[0])
@@ -115,5 +115,5 @@ def test_optimizer_without_gradients_is_stepped_not_refused() -> None:
     assert scaler.get_scale() == 8.0
     theirs = torch.amp.GradScaler("cpu")
     theirs.scale(torch.ones(1))
-    with pytest.raises(AssertionError, match="No inf checks were recorded for this optimizer."):
+    with pytest.raises(AssertionError, match=r"No inf checks were recorded for this optimizer\."):
         theirs.step(unused)

@@ -69,15 +69,22 @@ def test_stats_counts_and_history() -> None:
 
 def test_counters_saturate() -> None:
     scaler = GradScaler("cpu", init_scale=16.0)
-    state = {"scale": 16.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000,
-             "_growth_tracker": 0, "skipped_steps": SATURATE, "consecutive_skips": SATURATE}
+    state = {
+        "scale": 16.0,
+        "growth_factor": 2.0,
+        "backoff_factor": 0.5,
+        "growth_interval": 2000,
+        "_growth_tracker": 0,
+        "skipped_steps": SATURATE,
+        "consecutive_skips": SATURATE,
+    }
     scaler.load_state_dict(state)
     steps(scaler, [True, True])
     stats = scaler.stats()
     assert stats["skipped_steps"] == SATURATE and stats["consecutive_skips"] == SATURATE
 
 
-def test_json_lines_logger(tmp_path) -> None:  # noqa: ANN001
+def test_json_lines_logger(tmp_path) -> None:
     path = tmp_path / "scaler.jsonl"
     scaler = GradScaler("cpu", init_scale=16.0)
     scaler.add_logger(JsonLinesLogger(path), every=2)

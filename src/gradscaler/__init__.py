@@ -1,10 +1,8 @@
 """gradscaler: dynamic loss scaling for float16 training, a drop-in for ``torch.amp.GradScaler``."""
 
-from gradscaler.errors import ScaleCollapseError
-from gradscaler.errors import ScaleCollapseWarning
+from gradscaler.errors import ScaleCollapseError, ScaleCollapseWarning
 from gradscaler.monitor import JsonLinesLogger
-from gradscaler.scaler import GradScaler
-from gradscaler.scaler import OptState
+from gradscaler.scaler import GradScaler, OptState
 
 __version__ = "0.1.0"
 

@@ -16,12 +16,13 @@ Three sections, each checking correctness while it times:
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ from torch import nn
 
 from gradscaler import GradScaler
 from gradscaler.kernels import grad_stats
+from gradscaler.toy_model import TinyGPT
 
 SCALE = 2.0**16
 BUSY_MS = 5.0
@@ -98,6 +100,7 @@ def kernel_section(device: torch.device, shapes: list[tuple[int, ...]], steps: i
     out = torch.empty_like(flat)
     timed = _timer(device, BUSY_MS)
     ours = grad_stats(grads, 2.0)
+    assert ours.norms is not None
     expected = torch.stack([torch.linalg.vector_norm(g.double()) for g in grads]).float()
     error = float(((ours.norms - expected).abs() / expected).max())
     copy_ms = _median_ms(timed, lambda: out.copy_(flat), steps, warmup)
@@ -137,13 +140,19 @@ def step_section(device: torch.device, shapes: list[tuple[int, ...]], steps: int
                         times[name].append(ms)
             medians = {name: statistics.median(t) for name, t in times.items()}
             check = _compare(variants["ours"].params, variants["torch"].params)
-            rows.append({
-                "optimizer": f"{'fused' if fused else 'foreach'} AdamW", "clip": clip,
-                "alone_ms": medians["alone"], "torch_ms": medians["torch"], "ours_ms": medians["ours"],
-                "torch_overhead_ms": medians["torch"] - medians["alone"],
-                "ours_overhead_ms": medians["ours"] - medians["alone"],
-                "speedup": medians["torch"] / medians["ours"], "check": check,
-            })
+            rows.append(
+                {
+                    "optimizer": f"{'fused' if fused else 'foreach'} AdamW",
+                    "clip": clip,
+                    "alone_ms": medians["alone"],
+                    "torch_ms": medians["torch"],
+                    "ours_ms": medians["ours"],
+                    "torch_overhead_ms": medians["torch"] - medians["alone"],
+                    "ours_overhead_ms": medians["ours"] - medians["alone"],
+                    "speedup": medians["torch"] / medians["ours"],
+                    "check": check,
+                }
+            )
             del variants
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -158,8 +167,7 @@ class _StepVariant:
         self.params = [nn.Parameter(p.clone()) for p in init]
         for p in self.params:
             p.grad = torch.empty_like(p)
-        flags = {"fused": True} if fused else {"foreach": True}
-        self.opt = torch.optim.AdamW(self.params, lr=1e-4, **flags)
+        self.opt = torch.optim.AdamW(self.params, lr=1e-4, fused=fused or None, foreach=None if fused else True)
         big = 10**9
         self.scaler: Any = None
         if name == "torch":
@@ -187,48 +195,25 @@ class _StepVariant:
         self.scaler.update()
 
 
-def _compare(a: list[torch.Tensor], b: list[torch.Tensor]) -> str:
+def _compare(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> str:
     if all(torch.equal(x, y) for x, y in zip(a, b, strict=True)):
         return "bit-identical"
-    worst = max(float(torch.linalg.vector_norm((x - y).detach().double()) / torch.linalg.vector_norm(y.detach().double()).clamp_min(1e-30))
-                for x, y in zip(a, b, strict=True))
-    return f"rel diff {worst:.1e}"
-
-
-class TinyGPT(nn.Module):
-    """A GPT-2-shaped language model: pre-norm blocks, causal SDPA attention, tied head."""
-
-    def __init__(self, width: int, layers: int, heads: int, vocab: int, context: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.tok = nn.Embedding(vocab, width)
-        self.pos = nn.Embedding(context, width)
-        self.blocks = nn.ModuleList(
-            nn.ModuleDict({
-                "ln1": nn.LayerNorm(width), "qkv": nn.Linear(width, 3 * width), "proj": nn.Linear(width, width),
-                "ln2": nn.LayerNorm(width), "fc": nn.Linear(width, 4 * width), "out": nn.Linear(4 * width, width),
-            })
-            for _ in range(layers)
+    worst = max(
+        float(
+            torch.linalg.vector_norm((x - y).detach().double())
+            / torch.linalg.vector_norm(y.detach().double()).clamp_min(1e-30)
         )
-        self.ln = nn.LayerNorm(width)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        b, t = tokens.shape
-        x = self.tok(tokens) + self.pos(torch.arange(t, device=tokens.device))
-        for blk in self.blocks:
-            q, k, v = blk["qkv"](blk["ln1"](x)).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
-            att = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-            x = x + blk["proj"](att.transpose(1, 2).reshape(b, t, -1))
-            x = x + blk["out"](nn.functional.gelu(blk["fc"](blk["ln2"](x))))
-        return self.ln(x) @ self.tok.weight.t()
+        for x, y in zip(a, b, strict=True)
+    )
+    return f"rel diff {worst:.1e}"
 
 
 def iteration_section(device: torch.device, steps: int, warmup: int) -> list[dict[str, Any]]:
     """Whole fp16-autocast iterations with clip 1.0, torch vs ours, fused and foreach AdamW."""
     if device.type == "cuda":
-        cfg, batch = {"width": 768, "layers": 12, "heads": 12, "vocab": 50257, "context": 1024}, 8
+        cfg, batch = {"vocab": 50257, "width": 768, "layers": 12, "heads": 12, "context": 1024}, 8
     else:  # float16 matmuls are emulated on CPUs (seconds per step): a small model, float32 forward
-        cfg, batch = {"width": 256, "layers": 4, "heads": 4, "vocab": 4096, "context": 128}, 8
+        cfg, batch = {"vocab": 4096, "width": 256, "layers": 4, "heads": 4, "context": 128}, 8
     gen = torch.Generator(device="cpu").manual_seed(0)
     data = [torch.randint(cfg["vocab"], (batch, cfg["context"] + 1), generator=gen).to(device) for _ in range(4)]
     timed = _timer(device)
@@ -238,21 +223,28 @@ def iteration_section(device: torch.device, steps: int, warmup: int) -> list[dic
         for name in ("torch", "ours"):
             torch.manual_seed(0)
             model = TinyGPT(**cfg).to(device)
-            opt = torch.optim.AdamW(model.parameters(), lr=3e-4, **({"fused": True} if fused else {"foreach": True}))
+            opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=fused or None, foreach=None if fused else True)
             scaler = torch.amp.GradScaler(device.type) if name == "torch" else GradScaler(device.type)
             runs[name] = (model, opt, scaler)
         times: dict[str, list[float]] = {"torch": [], "ours": []}
         for i in range(warmup + steps):
             for name, (model, opt, scaler) in runs.items():
                 tokens = data[i % len(data)]
-                ms = timed(lambda m=model, o=opt, s=scaler, n=name, t=tokens: _iteration(m, o, s, n, t, device))
+                ms = timed(functools.partial(_iteration, model, opt, scaler, name, tokens, device))
                 if i >= warmup:
                     times[name].append(ms)
         med = {name: statistics.median(t) for name, t in times.items()}
         check = _compare(list(runs["ours"][0].parameters()), list(runs["torch"][0].parameters()))
-        rows.append({"optimizer": f"{'fused' if fused else 'foreach'} AdamW", "params": _count(runs["ours"][0]),
-                     "torch_ms": med["torch"], "ours_ms": med["ours"], "speedup": med["torch"] / med["ours"],
-                     "check": check})
+        rows.append(
+            {
+                "optimizer": f"{'fused' if fused else 'foreach'} AdamW",
+                "params": _count(runs["ours"][0]),
+                "torch_ms": med["torch"],
+                "ours_ms": med["ours"],
+                "speedup": med["torch"] / med["ours"],
+                "check": check,
+            }
+        )
         del runs
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -263,8 +255,9 @@ def _count(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def _iteration(model: nn.Module, opt: torch.optim.Optimizer, scaler: Any, name: str, tokens: torch.Tensor,
-               device: torch.device) -> None:
+def _iteration(
+    model: nn.Module, opt: torch.optim.Optimizer, scaler: Any, name: str, tokens: torch.Tensor, device: torch.device
+) -> None:
     opt.zero_grad(set_to_none=True)
     with torch.autocast(device.type, dtype=torch.float16, enabled=device.type == "cuda"):
         logits = model(tokens[:, :-1])
@@ -282,12 +275,18 @@ def _iteration(model: nn.Module, opt: torch.optim.Optimizer, scaler: Any, name: 
 def environment(device: torch.device) -> dict[str, Any]:
     """What the numbers were measured on."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
-    return {"device": name, "torch": torch.__version__, "dtype": "float32 params/grads, float16 autocast",
-            "seed": 0, "threads": torch.get_num_threads()}
+    return {
+        "device": name,
+        "torch": torch.__version__,
+        "dtype": "float32 params/grads, float16 autocast",
+        "seed": 0,
+        "threads": torch.get_num_threads(),
+    }
 
 
-def run(device_name: str | None, steps: int, warmup: int, sections: list[str],
-        progress: Callable[[str], None] = print) -> dict[str, Any]:
+def run(
+    device_name: str | None, steps: int, warmup: int, sections: list[str], progress: Callable[[str], None] = print
+) -> dict[str, Any]:
     """Run the chosen sections and return every number."""
     device = torch.device(device_name or ("cuda" if torch.cuda.is_available() else "cpu"))
     shapes = gpt2_shapes(1024, 24, 50257, 1024) if device.type == "cuda" else gpt2_shapes(512, 8, 16384, 512)
@@ -307,36 +306,59 @@ def run(device_name: str | None, steps: int, warmup: int, sections: list[str],
 def format_tables(results: dict[str, Any]) -> str:
     """Markdown tables of the results (what the terminal and the README show)."""
     env = results["environment"]
-    lines = [f"device: {env['device']} | torch {env['torch']} | {env['dtype']} | seed {env['seed']} | "
-             f"median of {results['steps']} after {results['warmup']} warm-up"
-             + (" | kernel and step rows: device time (GPU busy ahead of each call)" if "NVIDIA" in env["device"]
-                or "cuda" in env["device"].lower() else "")]
+    lines = [
+        f"device: {env['device']} | torch {env['torch']} | {env['dtype']} | seed {env['seed']} | "
+        f"median of {results['steps']} after {results['warmup']} warm-up"
+        + (
+            " | kernel and step rows: device time (GPU busy ahead of each call)"
+            if "NVIDIA" in env["device"] or "cuda" in env["device"].lower()
+            else ""
+        )
+    ]
     if "kernel" in results:
         k = results["kernel"]
-        lines += ["", f"One read pass, {k['numel'] / 1e6:.0f}M float32 values in {k['tensors']} tensors:", "",
-                  "| pass | ms |", "|---|---|",
-                  f"| device copy (read+write) | {k['copy_ms']:.3f} ({k['copy_bandwidth_GBps']:.0f} GB/s) |",
-                  f"| ideal read (copy / 2) | {k['ideal_read_ms']:.3f} |",
-                  f"| gradscaler flag + L2 norms | {k['ours_ms']:.3f} ({100 * k['ours_fraction_of_copy_bandwidth']:.0f}% "
-                  "of copy bandwidth) |",
-                  f"| gradscaler flag only | {k['ours_check_only_ms']:.3f} |",
-                  f"| torch._foreach_norm | {k['foreach_norm_ms']:.3f} |",
-                  f"| flat-buffer vector_norm | {k['flat_norm_ms']:.3f} |"]
+        lines += [
+            "",
+            f"One read pass, {k['numel'] / 1e6:.0f}M float32 values in {k['tensors']} tensors:",
+            "",
+            "| pass | ms |",
+            "|---|---|",
+            f"| device copy (read+write) | {k['copy_ms']:.3f} ({k['copy_bandwidth_GBps']:.0f} GB/s) |",
+            f"| ideal read (copy / 2) | {k['ideal_read_ms']:.3f} |",
+            f"| gradscaler flag + L2 norms | {k['ours_ms']:.3f} ({100 * k['ours_fraction_of_copy_bandwidth']:.0f}% "
+            "of copy bandwidth) |",
+            f"| gradscaler flag only | {k['ours_check_only_ms']:.3f} |",
+            f"| torch._foreach_norm | {k['foreach_norm_ms']:.3f} |",
+            f"| flat-buffer vector_norm | {k['flat_norm_ms']:.3f} |",
+        ]
     if "step" in results:
-        lines += ["", "Optimizer step phase:", "",
-                  "| optimizer | clip | alone ms | + torch scaler ms | + gradscaler ms | overhead torch / ours ms "
-                  "| speedup | check |", "|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "Optimizer step phase:",
+            "",
+            "| optimizer | clip | alone ms | + torch scaler ms | + gradscaler ms | overhead torch / ours ms "
+            "| speedup | check |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for r in results["step"]:
-            lines.append(f"| {r['optimizer']} | {'1.0' if r['clip'] else 'no'} | {r['alone_ms']:.2f} | "
-                         f"{r['torch_ms']:.2f} | {r['ours_ms']:.2f} | {r['torch_overhead_ms']:.2f} / "
-                         f"{r['ours_overhead_ms']:.2f} | {r['speedup']:.2f}x | {r['check']} |")
+            lines.append(
+                f"| {r['optimizer']} | {'1.0' if r['clip'] else 'no'} | {r['alone_ms']:.2f} | "
+                f"{r['torch_ms']:.2f} | {r['ours_ms']:.2f} | {r['torch_overhead_ms']:.2f} / "
+                f"{r['ours_overhead_ms']:.2f} | {r['speedup']:.2f}x | {r['check']} |"
+            )
     if "iteration" in results:
-        lines += ["", "Whole iteration, clip 1.0 (float16 autocast on CUDA, float32 on the CPU):", "",
-                  "| optimizer | params | torch scaler ms | gradscaler ms | speedup | check |",
-                  "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "Whole iteration, clip 1.0 (float16 autocast on CUDA, float32 on the CPU):",
+            "",
+            "| optimizer | params | torch scaler ms | gradscaler ms | speedup | check |",
+            "|---|---|---|---|---|---|",
+        ]
         for r in results["iteration"]:
-            lines.append(f"| {r['optimizer']} | {r['params'] / 1e6:.0f}M | {r['torch_ms']:.2f} | {r['ours_ms']:.2f} "
-                         f"| {r['speedup']:.2f}x | {r['check']} |")
+            lines.append(
+                f"| {r['optimizer']} | {r['params'] / 1e6:.0f}M | {r['torch_ms']:.2f} | {r['ours_ms']:.2f} "
+                f"| {r['speedup']:.2f}x | {r['check']} |"
+            )
     return "\n".join(lines)
 
 

@@ -11,8 +11,15 @@ if TYPE_CHECKING:
     from gradscaler.scaler import GradScaler
 
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
-OUR_KEYS = ("hysteresis", "hysteresis_refill_on_growth", "min_scale", "max_scale", "_hysteresis_tracker", "steps",
-            *COUNTERS)
+OUR_KEYS = (
+    "hysteresis",
+    "hysteresis_refill_on_growth",
+    "min_scale",
+    "max_scale",
+    "_hysteresis_tracker",
+    "steps",
+    *COUNTERS,
+)
 
 
 def state_dict(scaler: GradScaler) -> dict[str, Any]:
@@ -40,10 +47,10 @@ def state_dict(scaler: GradScaler) -> dict[str, Any]:
     return out
 
 
-def _number(d: dict[str, Any], key: str, *, integer: bool = False) -> float:
+def _number(d: dict[str, Any], key: str, *, integer: bool = False) -> Any:
     value = d[key]
     kinds: tuple[type, ...] = (int,) if integer else (int, float)
-    if isinstance(value, bool) and key != "hysteresis_refill_on_growth" or not isinstance(value, kinds):
+    if (isinstance(value, bool) and key != "hysteresis_refill_on_growth") or not isinstance(value, kinds):
         wanted = "an int" if integer else "a float"
         raise TypeError(f"state_dict[{key!r}] must be {wanted}, got {type(value).__name__} {value!r}.")
     if isinstance(value, float) and math.isnan(value):
@@ -80,9 +87,13 @@ def _validated(scaler: GradScaler, d: dict[str, Any]) -> dict[str, Any]:
         if d["growth_interval"] < 1:
             raise ValueError("growth_interval must be >= 1")
         new_rule = ScaleRule(
-            float(d["growth_factor"]), float(d["backoff_factor"]), int(d["growth_interval"]),
-            int(d.get("hysteresis", scaler._rule.hysteresis)), refill,
-            float(min_scale) if min_scale > 0 else None, float(max_scale) if math.isfinite(max_scale) else None,
+            float(d["growth_factor"]),
+            float(d["backoff_factor"]),
+            int(d["growth_interval"]),
+            int(d.get("hysteresis", scaler._rule.hysteresis)),
+            refill,
+            float(min_scale) if min_scale > 0 else None,
+            float(max_scale) if math.isfinite(max_scale) else None,
         )
     except (ValueError, TypeError) as error:
         raise ValueError(f"The scaler's state_dict holds an invalid policy: {error}") from error
@@ -95,8 +106,7 @@ def load_state_dict(scaler: GradScaler, d: dict[str, Any]) -> None:
         return
     if isinstance(d, dict) and len(d) == 0:
         raise RuntimeError(
-            "The source state dict is empty, possibly because it was saved "
-            "from a disabled instance of GradScaler."
+            "The source state dict is empty, possibly because it was saved from a disabled instance of GradScaler."
         )
     checked = _validated(scaler, d)
     scaler._rule = checked["rule"]

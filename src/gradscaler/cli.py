@@ -30,23 +30,37 @@ def _sections(text: str) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gradscaler", description="Dynamic loss scaling for float16 training.")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="show why loss scaling matters: fp32 vs fp16 with and without scaling",
-                          description="Train a small transformer language model on embedded text in float32, "
-                          "in float16 without loss scaling and in float16 with gradscaler; print a summary "
-                          "table and write a figure (PNG) and the numbers (JSON).")
-    demo.add_argument("--steps", type=_positive_int, default=None, help="training steps per run (default: 300 on "
-                      "the CPU, 600 on CUDA)")
+    demo = sub.add_parser(
+        "demo",
+        help="show why loss scaling matters: fp32 vs fp16 with and without scaling",
+        description="Train a small transformer language model on embedded text in float32, "
+        "in float16 without loss scaling and in float16 with gradscaler; print a summary "
+        "table and write a figure (PNG) and the numbers (JSON).",
+    )
+    demo.add_argument(
+        "--steps",
+        type=_positive_int,
+        default=None,
+        help="training steps per run (default: 300 on the CPU, 600 on CUDA)",
+    )
     demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     demo.add_argument("--out", default=".", help="folder for gradscaler-demo.png and gradscaler-demo.json")
     demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     demo.add_argument("--no-progress", action="store_true", help="hide the progress bars")
-    bench = sub.add_parser("bench", help="time torch.amp.GradScaler and gradscaler side by side",
-                           description="Side-by-side benchmark in one process; checks results while timing.")
+    bench = sub.add_parser(
+        "bench",
+        help="time torch.amp.GradScaler and gradscaler side by side",
+        description="Side-by-side benchmark in one process; checks results while timing.",
+    )
     bench.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     bench.add_argument("--steps", type=_positive_int, default=30, help="timed steps per variant (median; default 30)")
     bench.add_argument("--warmup", type=_positive_int, default=5, help="untimed warm-up steps (default 5)")
-    bench.add_argument("--sections", type=_sections, default=list(SECTIONS),
-                       help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)")
+    bench.add_argument(
+        "--sections",
+        type=_sections,
+        default=list(SECTIONS),
+        help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)",
+    )
     bench.add_argument("--out", default="bench.json", help="JSON file for every number (default bench.json)")
     return parser
 

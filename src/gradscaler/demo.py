@@ -21,6 +21,7 @@ gradients by 1024, in float32, standing in for the all-reduce sum over ranks who
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
@@ -33,6 +34,7 @@ import torch
 from torch import nn
 
 from gradscaler import GradScaler
+from gradscaler.toy_model import TinyGPT
 
 FP16_TINY = 2.0**-24  # smallest positive subnormal float16
 FP16_NORMAL = 2.0**-14  # smallest positive normal float16
@@ -54,51 +56,10 @@ def corpus(seed: int, sentences: int = 4000) -> str:
     verbs = ["sees", "finds", "likes", "follows", "paints", "carries", "wants"]
     objects = ["the ball", "a red box", "the river", "an apple", "the green door", "a small boat"]
     places = ["in the park", "at home", "near the hill", "by the sea", "after school", "at night"]
-    return " ".join(f"{rng.choice(subjects)} {rng.choice(verbs)} {rng.choice(objects)} {rng.choice(places)}."
-                    for _ in range(sentences))
-
-
-class CharTransformer(nn.Module):
-    """A GPT-style character model: 2 pre-norm blocks, causal attention, GPT-2 initialisation."""
-
-    def __init__(self, vocab: int, width: int = 64, layers: int = 2, heads: int = 4, context: int = 64) -> None:
-        super().__init__()
-        self.heads = heads
-        self.tok = nn.Embedding(vocab, width)
-        self.pos = nn.Embedding(context, width)
-        self.blocks = nn.ModuleList(nn.ModuleDict({
-            "ln1": nn.LayerNorm(width), "qkv": nn.Linear(width, 3 * width), "proj": nn.Linear(width, width),
-            "ln2": nn.LayerNorm(width), "fc": nn.Linear(width, 4 * width), "out": nn.Linear(4 * width, width),
-        }) for _ in range(layers))
-        self.ln = nn.LayerNorm(width)
-        self.head = nn.Linear(width, vocab)
-        for name, param in self.named_parameters():
-            if name.endswith("weight") and param.dim() == 2:
-                std = 0.02 / math.sqrt(2 * layers) if name.endswith(("proj.weight", "out.weight")) else 0.02
-                nn.init.normal_(param, std=std)
-            elif name.endswith("bias"):
-                nn.init.zeros_(param)
-        self.activations: list[torch.Tensor] = []
-
-    def forward(self, tokens: torch.Tensor, keep_activations: bool = False) -> torch.Tensor:
-        b, t = tokens.shape
-        x = self.tok(tokens) + self.pos(torch.arange(t, device=tokens.device))
-        self.activations = []
-        for blk in self.blocks:
-            q, k, v = blk["qkv"](blk["ln1"](x)).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
-            att = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-            x = x + blk["proj"](att.transpose(1, 2).reshape(b, t, -1))
-            hidden = nn.functional.gelu(blk["fc"](blk["ln2"](x)))
-            if keep_activations:
-                for act in (q, k, v, hidden, x):
-                    act.retain_grad()
-                    self.activations.append(act)
-            x = x + blk["out"](hidden)
-        logits = self.head(self.ln(x))
-        if keep_activations:
-            logits.retain_grad()
-            self.activations.append(logits)
-        return logits
+    return " ".join(
+        f"{rng.choice(subjects)} {rng.choice(verbs)} {rng.choice(objects)} {rng.choice(places)}."
+        for _ in range(sentences)
+    )
 
 
 class Batches:
@@ -117,7 +78,7 @@ class Batches:
         return window[:, :-1].to(self.device), window[:, 1:].to(self.device)
 
 
-def sum_over_ranks_(params: list[torch.Tensor]) -> None:
+def sum_over_ranks_(params: list[nn.Parameter]) -> None:
     """Stand-in for the all-reduce SUM of a data-parallel job: RANKS ranks whose data are alike.
 
     Applied after the backward pass, in float32, to every run alike: it restores the gradient's
@@ -127,19 +88,22 @@ def sum_over_ranks_(params: list[torch.Tensor]) -> None:
         torch._foreach_mul_([p.grad for p in params if p.grad is not None], float(RANKS))
 
 
-def loss_of(model: CharTransformer, x: torch.Tensor, y: torch.Tensor, fp16: bool, keep: bool = False) -> torch.Tensor:
+def loss_of(
+    model: TinyGPT, x: torch.Tensor, y: torch.Tensor, fp16: bool, keep: list[torch.Tensor] | None = None
+) -> torch.Tensor:
+    """Mean next-character cross-entropy; the forward pass under float16 autocast when ``fp16``."""
     with torch.autocast(x.device.type, dtype=torch.float16, enabled=fp16):
-        logits = model(x, keep_activations=keep)
+        logits = model(x, keep)
     return nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
 
-def activation_gradients(model: CharTransformer, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+def activation_gradients(model: TinyGPT, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """|gradient| of every activation value for this rank's loss, computed in float32 (the true values)."""
     model.zero_grad(set_to_none=True)
-    (loss_of(model, *batch, fp16=False, keep=True) / RANKS).backward()
-    values = torch.cat([a.grad.detach().abs().reshape(-1).float() for a in model.activations if a.grad is not None])
+    kept: list[torch.Tensor] = []
+    (loss_of(model, *batch, fp16=False, keep=kept) / RANKS).backward()
+    values = torch.cat([a.grad.detach().abs().reshape(-1).float() for a in kept if a.grad is not None])
     model.zero_grad(set_to_none=True)
-    model.activations = []
     return values
 
 
@@ -152,7 +116,7 @@ def underflow_share(values: torch.Tensor, scale: float) -> float:
 def train(name: str, steps: int, batches: Batches, seed: int, progress: bool) -> dict[str, Any]:
     """One run; returns losses, scales, skipped steps, timing and the final underflow share."""
     torch.manual_seed(seed)
-    model = CharTransformer(len(batches.vocab), context=batches.context).to(batches.device)
+    model = TinyGPT(len(batches.vocab), width=64, layers=2, heads=4, context=batches.context).to(batches.device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     fp16 = name != "fp32"
     # growth_interval=10 (torch: 2000) so that 200 steps show growth up to overflow and the backoff.
@@ -185,8 +149,13 @@ def train(name: str, steps: int, batches: Batches, seed: int, progress: bool) ->
     history = scaler.history() if scaler is not None else {"scale": [], "skipped": []}
     grads = activation_gradients(model, held_out[0])
     return {
-        "run": name, "losses": losses, "final_loss": final, "seconds": seconds,
-        "skipped_steps": sum(history["skipped"]), "final_scale": scale, "scales": history["scale"],
+        "run": name,
+        "losses": losses,
+        "final_loss": final,
+        "seconds": seconds,
+        "skipped_steps": sum(history["skipped"]),
+        "final_scale": scale,
+        "scales": history["scale"],
         "skipped": history["skipped"],
         "underflow_share": None if name == "fp32" else underflow_share(grads, scale),
         "activation_gradients": grads,
@@ -198,8 +167,10 @@ def _bar(name: str, done: int, total: int, loss: float, begin: float) -> None:
     filled = int(width * done / total)
     rate = done / max(time.perf_counter() - begin, 1e-9)
     eta = (total - done) / rate
-    sys.stderr.write(f"\r{name:<18} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} "
-                     f"loss {loss:.3f}  {rate:.1f} it/s  eta {eta:.0f}s ")
+    sys.stderr.write(
+        f"\r{name:<18} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} "
+        f"loss {loss:.3f}  {rate:.1f} it/s  eta {eta:.0f}s "
+    )
     if done == total:
         sys.stderr.write("\n")
     sys.stderr.flush()
@@ -207,8 +178,10 @@ def _bar(name: str, done: int, total: int, loss: float, begin: float) -> None:
 
 def summary_table(runs: list[dict[str, Any]]) -> str:
     """The demo's summary, as a Markdown table."""
-    lines = ["| run | final loss | skipped steps | final scale | activation grads underflowed | time |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| run | final loss | skipped steps | final scale | activation grads underflowed | time |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in runs:
         share = "-" if r["underflow_share"] is None else f"{100 * r['underflow_share']:.1f}%"
         skipped = "-" if r["run"] != "fp16 + gradscaler" else str(r["skipped_steps"])
@@ -221,12 +194,19 @@ def verdict(runs: list[dict[str, Any]]) -> list[str]:
     """Plain-language reading of the numbers, checked against the stated tolerance."""
     fp32, plain, scaled = (r["final_loss"] for r in runs)
     gap = abs(scaled - fp32) / fp32
-    out = [f"fp16 + gradscaler ends within {100 * gap:.1f}% of the fp32 loss (tolerance "
-           f"{100 * LOSS_TOLERANCE:.0f}%): {'PASS' if gap <= LOSS_TOLERANCE else 'FAIL'}."]
+    out = [
+        f"fp16 + gradscaler ends within {100 * gap:.1f}% of the fp32 loss (tolerance "
+        f"{100 * LOSS_TOLERANCE:.0f}%): {'PASS' if gap <= LOSS_TOLERANCE else 'FAIL'}."
+    ]
     lag = (plain - fp32) / fp32
-    out.append(f"fp16 without scaling ends {100 * lag:+.1f}% from the fp32 loss: "
-               + ("it lags, because the gradients it needed were flushed to zero." if lag > LOSS_TOLERANCE
-                  else "no lag at this size."))
+    out.append(
+        f"fp16 without scaling ends {100 * lag:+.1f}% from the fp32 loss: "
+        + (
+            "it lags, because the gradients it needed were flushed to zero."
+            if lag > LOSS_TOLERANCE
+            else "no lag at this size."
+        )
+    )
     return out
 
 
@@ -236,8 +216,14 @@ def histogram_data(grads: torch.Tensor, scale: float) -> dict[str, Any]:
     edges = torch.arange(-60.0, 20.25, 0.25, dtype=torch.float64)
     before = torch.histc(values, bins=len(edges) - 1, min=float(edges[0]), max=float(edges[-1]))
     after = torch.histc(values + math.log2(scale), bins=len(edges) - 1, min=float(edges[0]), max=float(edges[-1]))
-    return {"edges": edges.tolist(), "before": before.tolist(), "after": after.tolist(), "scale": scale,
-            "zeros": int((grads == 0).sum()), "total": grads.numel()}
+    return {
+        "edges": edges.tolist(),
+        "before": before.tolist(),
+        "after": after.tolist(),
+        "scale": scale,
+        "zeros": int((grads == 0).sum()),
+        "total": grads.numel(),
+    }
 
 
 def plot(runs: list[dict[str, Any]], hist: dict[str, Any], path: Path) -> bool:
@@ -251,7 +237,7 @@ def plot(runs: list[dict[str, Any]], hist: dict[str, Any], path: Path) -> bool:
         return False
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
     edges = hist["edges"]
-    centers = [(a + b) / 2 for a, b in zip(edges[:-1], edges[1:], strict=True)]
+    centers = [(a + b) / 2 for a, b in itertools.pairwise(edges)]
     ax = axes[0]
     ax.fill_between(centers, hist["before"], step="mid", alpha=0.5, label="as computed (scale 1)")
     ax.fill_between(centers, hist["after"], step="mid", alpha=0.5, label=f"scaled by {hist['scale']:g}")
@@ -270,8 +256,14 @@ def plot(runs: list[dict[str, Any]], hist: dict[str, Any], path: Path) -> bool:
     scaled = runs[-1]
     ax.semilogy(scaled["scales"], label="loss scale")
     skipped = [i for i, s in enumerate(scaled["skipped"]) if s]
-    ax.scatter(skipped, [scaled["scales"][i] for i in skipped], color="red", marker="x", zorder=3,
-               label=f"skipped step ({len(skipped)})")
+    ax.scatter(
+        skipped,
+        [scaled["scales"][i] for i in skipped],
+        color="red",
+        marker="x",
+        zorder=3,
+        label=f"skipped step ({len(skipped)})",
+    )
     ax.set(title="gradscaler: scale after each step", xlabel="step", ylabel="scale")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -294,10 +286,12 @@ def main(args: Any) -> int:
     steps = args.steps or (600 if device.type == "cuda" else 200)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    print(f"gradscaler demo: a character-level transformer on generated sentences, {steps} steps per run, "
-          f"on {device.type}.\nEach step back-propagates one rank's share of a per-token loss over a "
-          f"{RANKS}-rank job (loss / {RANKS}), which is what makes its gradients small; see "
-          "`python -c 'import gradscaler.demo as d; help(d)'`.\n")
+    print(
+        f"gradscaler demo: a character-level transformer on generated sentences, {steps} steps per run, "
+        f"on {device.type}.\nEach step back-propagates one rank's share of a per-token loss over a "
+        f"{RANKS}-rank job (loss / {RANKS}), which is what makes its gradients small; see "
+        "`python -c 'import gradscaler.demo as d; help(d)'`.\n"
+    )
     batches = Batches(corpus(args.seed), batch=16, context=64, seed=args.seed, device=device)
     runs = [train(name, steps, batches, args.seed, not args.no_progress) for name in RUNS]
     hist = histogram_data(runs[-1]["activation_gradients"], runs[-1]["final_scale"])
@@ -306,9 +300,15 @@ def main(args: Any) -> int:
     print()
     for line in verdict(runs):
         print(line)
-    numbers = {"steps": steps, "device": device.type, "seed": args.seed, "ranks": RANKS,
-               "loss_tolerance": LOSS_TOLERANCE, "histogram": hist,
-               "runs": [{k: v for k, v in r.items() if k != "activation_gradients"} for r in runs]}
+    numbers = {
+        "steps": steps,
+        "device": device.type,
+        "seed": args.seed,
+        "ranks": RANKS,
+        "loss_tolerance": LOSS_TOLERANCE,
+        "histogram": hist,
+        "runs": [{k: v for k, v in r.items() if k != "activation_gradients"} for r in runs],
+    }
     json_path = out / "gradscaler-demo.json"
     json_path.write_text(json.dumps(numbers, indent=1))
     png = out / "gradscaler-demo.png"

@@ -59,9 +59,10 @@ def group_grads(optimizer: torch.optim.Optimizer, *, allow_fp16: bool) -> GradGr
     groups: GradGroups = defaultdict(lambda: defaultdict(list))
     with torch.no_grad():
         if dense:
-            grouped = torch._C._group_tensors_by_device_and_dtype([[p.grad for p in dense]], False)
+            dense_grads: list[torch.Tensor] = [p.grad for p in dense]  # type: ignore[misc]
+            grouped = torch._C._group_tensors_by_device_and_dtype([dense_grads], False)  # type: ignore[list-item]
             for (device, dtype), (tensor_lists, _) in grouped.items():
-                tensors = tensor_lists[0]
+                tensors: list[torch.Tensor] = tensor_lists[0]  # type: ignore[assignment]
                 if dtype.is_complex:
                     tensors = [torch.view_as_real(t) for t in tensors]
                     dtype = tensors[0].dtype

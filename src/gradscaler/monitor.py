@@ -21,8 +21,15 @@ def stats(scaler: GradScaler) -> dict[str, Any]:
     if scaler._telemetry is not None:
         out.update(scaler._telemetry.read())
     else:
-        out.update(dict(zip(("skipped_steps", "consecutive_skips", "growths", "backoffs", "collapse_run"),
-                            scaler._init_counters, strict=True)))
+        out.update(
+            dict(
+                zip(
+                    ("skipped_steps", "consecutive_skips", "growths", "backoffs", "collapse_run"),
+                    scaler._init_counters,
+                    strict=True,
+                )
+            )
+        )
     out["growth_tracker"] = scaler._get_growth_tracker()
     tracker = scaler._hysteresis_tracker
     out["hysteresis_left"] = scaler._init_hysteresis_tracker if tracker is None else int(tracker.item())

@@ -59,9 +59,7 @@ class ScaleRule:
                 f"backoff), got {self.hysteresis!r}."
             )
         if self.hysteresis_refill not in REFILL_MODES:
-            raise ValueError(
-                f"hysteresis_refill must be one of {REFILL_MODES}, got {self.hysteresis_refill!r}."
-            )
+            raise ValueError(f"hysteresis_refill must be one of {REFILL_MODES}, got {self.hysteresis_refill!r}.")
         for name in ("min_scale", "max_scale"):
             value = getattr(self, name)
             if value is None:
@@ -71,9 +69,7 @@ class ScaleRule:
             if not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}.")
         if self.min_scale is not None and self.max_scale is not None and self.min_scale > self.max_scale:
-            raise ValueError(
-                f"min_scale ({self.min_scale!r}) must not exceed max_scale ({self.max_scale!r})."
-            )
+            raise ValueError(f"min_scale ({self.min_scale!r}) must not exceed max_scale ({self.max_scale!r}).")
 
     @property
     def lower(self) -> float:

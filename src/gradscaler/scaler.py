@@ -13,14 +13,12 @@ from typing import Any
 import torch
 
 from gradscaler import distributed, grads, optim, rule
-from gradscaler.errors import COLLAPSE_CAUSES, ScaleCollapseError, ScaleCollapseWarning
 from gradscaler.telemetry import COUNTERS, Telemetry
 
 _CLOSURE_MESSAGE = "Closure use is not currently supported if GradScaler is enabled."
 _NO_CUDA_MESSAGE = "torch.cuda.amp.GradScaler is enabled, but CUDA is not available.  Disabling."
 _NEW_SCALE_REASON = (
-    "new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
-    "torch.FloatTensor with requires_grad=False."
+    "new_scale should be a float or a 1-element torch.cuda.FloatTensor or torch.FloatTensor with requires_grad=False."
 )
 
 
@@ -325,7 +323,7 @@ class GradScaler:
     ) -> Any:
         if optim.takes_grad_scaler_kwarg(optimizer):
             optim.warn_legacy_kwarg()
-            retval = optimizer.step(*args, **kwargs, grad_scaler=self)
+            retval = optimizer.step(*args, **kwargs, grad_scaler=self)  # type: ignore[call-overload]
             state["stage"] = OptState.STEPPED
             return retval
         if state["stage"] is OptState.READY:
@@ -336,6 +334,7 @@ class GradScaler:
         elif state["stage"] is OptState.UNSCALED:
             grad_scale = getattr(optimizer, "grad_scale", None)
         else:
+            assert self._scale is not None
             grad_scale = self._scale * getattr(optimizer, "grad_scale", 1)
         optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
         optimizer.found_inf = found_inf  # type: ignore[attr-defined]
@@ -518,4 +517,3 @@ class GradScaler:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-

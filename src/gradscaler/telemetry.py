@@ -41,8 +41,9 @@ class Telemetry:
         skipped = found != 0
         at_floor = skipped & (before <= lower)
         inc = torch.stack([skipped, skipped, after > before, after < before, at_floor]).long()
-        keep = torch.stack([torch.ones_like(skipped), skipped, torch.ones_like(skipped),
-                            torch.ones_like(skipped), at_floor]).long()
+        keep = torch.stack(
+            [torch.ones_like(skipped), skipped, torch.ones_like(skipped), torch.ones_like(skipped), at_floor]
+        ).long()
         self.counters.add_(inc).mul_(keep).clamp_(max=SATURATE)
         slot = self.step.remainder(self.history)
         self.scale_history.index_copy_(0, slot, after.view(1))

@@ -110,8 +110,12 @@ if AVAILABLE:
         else:
             tl.store(norms_ptr + tensor, tl.exp2(tl.log2(tl.sum(acc, axis=0)) / p))
 
-    _TRITON_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
-                      torch.float64: tl.float64}
+    _TRITON_DTYPES = {
+        torch.float32: tl.float32,
+        torch.float16: tl.float16,
+        torch.bfloat16: tl.bfloat16,
+        torch.float64: tl.float64,
+    }
 
 
 class _Tables:
@@ -170,8 +174,10 @@ def _mode(norm_type: float | None) -> int:
 
 def grad_stats(grads: list[torch.Tensor], norm_type: float | None) -> GradStats:
     """See ``gradscaler.kernels.grad_stats``. Tensors must be contiguous; others are read via a copy."""
-    parts = [[g if g.is_contiguous() else g.contiguous() for g in grads[i : i + MAX_TENSORS]]
-             for i in range(0, len(grads), MAX_TENSORS)]
+    parts = [
+        [g if g.is_contiguous() else g.contiguous() for g in grads[i : i + MAX_TENSORS]]
+        for i in range(0, len(grads), MAX_TENSORS)
+    ]
     tables = [_tables(part) for part in parts]
     if any(t is None for t in tables):  # new gradients inside a graph capture: torch's ops instead
         from gradscaler.kernels import torch_stats
@@ -179,8 +185,10 @@ def grad_stats(grads: list[torch.Tensor], norm_type: float | None) -> GradStats:
         return torch_stats.grad_stats(grads, norm_type)
     flag = torch.zeros((), dtype=torch.float32, device=grads[0].device)
     mode = _mode(norm_type)
-    norms = [_launch(part, table, mode, float(norm_type or 0.0), flag)  # type: ignore[arg-type]
-             for part, table in zip(parts, tables, strict=True)]
+    norms = [
+        _launch(part, table, mode, float(norm_type or 0.0), flag)  # type: ignore[arg-type]
+        for part, table in zip(parts, tables, strict=True)
+    ]
     return GradStats(flag, None if mode == MODE_CHECK else torch.cat(norms))
 
 
@@ -188,9 +196,19 @@ def _launch(grads: list[torch.Tensor], tables: _Tables, mode: int, p: float, fla
     device = grads[0].device
     partial = torch.empty(tables.num_chunks if mode != MODE_CHECK else 1, dtype=torch.float32, device=device)
     _chunk_kernel[(tables.num_chunks,)](
-        tables.table, tables.offsets, len(grads), partial, flag, p,
-        DTYPE=_TRITON_DTYPES[grads[0].dtype], MODE=mode, ALIGNED=tables.aligned, CHUNK_SIZE=CHUNK, BLOCK_SIZE=BLOCK,
-        TABLE_BLOCK=triton.next_power_of_2(len(grads) + 1), num_warps=NUM_WARPS,
+        tables.table,
+        tables.offsets,
+        len(grads),
+        partial,
+        flag,
+        p,
+        DTYPE=_TRITON_DTYPES[grads[0].dtype],
+        MODE=mode,
+        ALIGNED=tables.aligned,
+        CHUNK_SIZE=CHUNK,
+        BLOCK_SIZE=BLOCK,
+        TABLE_BLOCK=triton.next_power_of_2(len(grads) + 1),
+        num_warps=NUM_WARPS,
     )
     norms = torch.empty(len(grads), dtype=torch.float32, device=device)
     if mode != MODE_CHECK:
