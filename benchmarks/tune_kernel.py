@@ -12,7 +12,7 @@ import statistics
 
 import torch
 
-from gradscaler.bench import gpt2_shapes
+from gradscaler.bench import _sleep_cycles, gpt2_shapes
 from gradscaler.kernels import triton_stats
 
 

@@ -55,8 +55,9 @@ def same_state(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def record(trace: dict[str, list[Any]], scaler: GradScaler, before: Any, params: list[torch.Tensor],
-           opt: torch.optim.Optimizer) -> None:
+def record(
+    trace: dict[str, list[Any]], scaler: GradScaler, before: Any, params: list[torch.Tensor], opt: torch.optim.Optimizer
+) -> None:
     after = snapshot(params, opt)
     unchanged = all(torch.equal(a, b) for a, b in zip(before[0], after[0], strict=True))
     trace["scale"].append(scaler.get_scale())
