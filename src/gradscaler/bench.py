@@ -227,14 +227,21 @@ def iteration_section(device: torch.device, steps: int, warmup: int) -> list[dic
             scaler = torch.amp.GradScaler(device.type) if name == "torch" else GradScaler(device.type)
             runs[name] = (model, opt, scaler)
         times: dict[str, list[float]] = {"torch": [], "ours": []}
+        losses: dict[str, list[torch.Tensor]] = {"torch": [], "ours": []}
+        scales: dict[str, list[torch.Tensor]] = {"torch": [], "ours": []}
         for i in range(warmup + steps):
             for name, (model, opt, scaler) in runs.items():
                 tokens = data[i % len(data)]
-                ms = timed(functools.partial(_iteration, model, opt, scaler, name, tokens, device))
+                ms = timed(functools.partial(_iteration, model, opt, scaler, name, tokens, device, losses[name]))
+                scales[name].append(torch.as_tensor(scaler._scale).clone())
                 if i >= warmup:
                     times[name].append(ms)
         med = {name: statistics.median(t) for name, t in times.items()}
-        check = _compare(list(runs["ours"][0].parameters()), list(runs["torch"][0].parameters()))
+        same_scales = all(torch.equal(a, b) for a, b in zip(scales["ours"], scales["torch"], strict=True))
+        loss_diff = max(
+            abs(float(a) - float(b)) / abs(float(b)) for a, b in zip(losses["ours"], losses["torch"], strict=True)
+        )
+        check = f"{'same' if same_scales else 'DIFFERENT'} scales, loss rel diff <= {loss_diff:.1e}"
         rows.append(
             {
                 "optimizer": f"{'fused' if fused else 'foreach'} AdamW",
@@ -256,12 +263,19 @@ def _count(model: nn.Module) -> int:
 
 
 def _iteration(
-    model: nn.Module, opt: torch.optim.Optimizer, scaler: Any, name: str, tokens: torch.Tensor, device: torch.device
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    scaler: Any,
+    name: str,
+    tokens: torch.Tensor,
+    device: torch.device,
+    losses: list[torch.Tensor],
 ) -> None:
     opt.zero_grad(set_to_none=True)
     with torch.autocast(device.type, dtype=torch.float16, enabled=device.type == "cuda"):
         logits = model(tokens[:, :-1])
     loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+    losses.append(loss.detach())
     scaler.scale(loss).backward()
     if name == "torch":
         scaler.unscale_(opt)

@@ -63,11 +63,11 @@ def grad_stats(grads: list[torch.Tensor], norm_type: float | None) -> GradStats:
     device = grads[0].device
     if device.type != "cpu":
         ord_ = math.inf if norm_type is None else norm_type
-        norms = torch.zeros(len(grads), dtype=torch.float32, device=device)
-        present = [i for i, g in enumerate(grads) if g.numel()]  # the inf-norm of nothing is an error
-        if present:
-            values = torch._foreach_norm([grads[i] for i in present], ord_, dtype=torch.float32)
-            norms[present] = torch.stack(list(values))
+        present = [g for g in grads if g.numel()]  # the inf-norm of nothing is an error
+        values = iter(torch._foreach_norm(present, ord_, dtype=torch.float32) if present else ())
+        zero = torch.zeros((), dtype=torch.float32, device=device)
+        # No index tensors built on the host: this path also runs inside CUDA-graph captures.
+        norms = torch.stack([next(values) if g.numel() else zero for g in grads])
         return GradStats(_nonfinite(norms), None if norm_type is None else norms)
     if norm_type is None:
         return GradStats(_nonfinite(_extremes(grads, device)), None)
