@@ -20,8 +20,8 @@ demo: $(STAMP)
 	$(BIN)/gradscaler demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks examples docs
+	$(BIN)/ruff format --check src tests benchmarks examples docs
 	$(BIN)/mypy
 
 test: $(STAMP) lint

@@ -17,11 +17,15 @@ from gradscaler.kernels import triton_stats
 
 
 def median_ms(fn, reps: int = 40) -> float:
+    """Median device time: 5 ms of GPU sleep is queued first, so the host's launch time is hidden."""
     for _ in range(5):
         fn()
     times = []
+    cycles = _sleep_cycles(5.0)
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(cycles)
         start.record()
         fn()
         end.record()

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from dist_worker import BAD_STEP, STEPS
 
 pytestmark = pytest.mark.distributed
@@ -56,6 +57,7 @@ SHARDED = [f"{kind}-{tag}" for kind in ("hand_sharded",) for tag in ("noclip", "
 def test_every_rank_skips_the_step_one_rank_overflowed(results: tuple[int, list[dict]], scenario: str) -> None:
     world, ranks = results
     traces = [r[scenario] for r in ranks]
+    assert len(traces) == world
     for rank, trace in enumerate(traces):
         assert trace["skipped"][BAD_STEP], f"rank {rank} did not skip"
         assert sum(trace["skipped"]) == 1, f"rank {rank} skipped {trace['skipped']}"

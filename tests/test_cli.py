@@ -1,0 +1,55 @@
+"""The command line: help, clear errors for bad options, a short demo and bench end to end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gradscaler import cli
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"], ["bench", "--help"]])
+def test_help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as excinfo:
+        cli.main(argv)
+    assert excinfo.value.code == 0
+    assert "usage: gradscaler" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["demo", "--steps", "0"], "expected a positive integer, got 0"),
+        (["demo", "--steps", "many"], "expected a positive integer, got 'many'"),
+        (["bench", "--sections", "kernel,warp"], "unknown section(s) ['warp']"),
+        (["demo", "--device", "tpu9"], "--device 'tpu9' is not a device torch knows"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+    ],
+)
+def test_bad_options_are_named(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as excinfo:
+        cli.main(argv)
+    assert excinfo.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.integration
+def test_short_demo_writes_table_figure_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["demo", "--steps", "12", "--out", str(tmp_path), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "| fp16 + gradscaler |" in out and "tolerance 10%" in out
+    numbers = json.loads((tmp_path / "gradscaler-demo.json").read_text())
+    assert [r["run"] for r in numbers["runs"]] == ["fp32", "fp16, no scaling", "fp16 + gradscaler"]
+    assert all(len(r["losses"]) == 12 for r in numbers["runs"])
+    assert numbers["runs"][1]["underflow_share"] > 0.5  # the point of the demo: most values lost
+    assert (tmp_path / "gradscaler-demo.png").stat().st_size > 10_000
+
+
+def test_short_bench_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "b.json"
+    assert cli.main(["bench", "--sections", "kernel", "--steps", "1", "--warmup", "1", "--out", str(path)]) == 0
+    assert "gradscaler flag + L2 norms" in capsys.readouterr().out
+    numbers = json.loads(path.read_text())
+    assert numbers["kernel"]["max_rel_error_vs_float64"] < 1e-5
