@@ -313,3 +313,39 @@ def test_private_members_keep_torchs_meaning() -> None:
     assert scaler._found_inf_per_device(opt) is found
     assert scaler._get_scale_async() is scaler._scale
     assert scaler._per_optimizer_states[id(opt)]["stage"] is OptState.READY
+
+
+class LegacyFusedSGD(torch.optim.SGD):
+    """An optimizer of the old protocol: takes the scaler as a ``grad_scaler`` keyword."""
+
+    _step_supports_amp_scaling = True
+
+    def step(self, closure=None, grad_scaler=None):  # noqa: ANN001, ANN201
+        self.seen_scaler = grad_scaler
+        found = sum(float(v) for v in grad_scaler._check_inf_per_device(self).values())
+        if not found:
+            with torch.no_grad():
+                for p in self.param_groups[0]["params"]:
+                    p.add_(p.grad / grad_scaler.get_scale(), alpha=-0.1)
+        return "stepped"
+
+
+@pytest.mark.parametrize("scaler_cls", [GradScaler, torch.amp.GradScaler], ids=["ours", "torch"])
+def test_legacy_grad_scaler_keyword_gets_torchs_future_warning(scaler_cls) -> None:  # noqa: ANN001
+    model = nn.Linear(4, 2)
+    opt = LegacyFusedSGD(model.parameters(), lr=0.1)
+    scaler = scaler_cls("cpu", init_scale=8.0)
+    scaler.scale(model(torch.ones(1, 4)).sum()).backward()
+    with pytest.warns(FutureWarning, match=r"^GradScaler is going to stop passing itself as a keyword argument"):
+        assert scaler.step(opt) == "stepped"
+    assert opt.seen_scaler is scaler
+    scaler.update()
+    assert scaler.get_scale() == 8.0
+
+
+def test_scale_serves_each_device_its_own_copy() -> None:
+    scaler = GradScaler("cpu", init_scale=4.0)
+    cpu, meta = torch.ones(2), torch.ones(3, device="meta")
+    out = scaler.scale([cpu, meta, (meta, cpu)])
+    assert out[0].device.type == "cpu" and out[1].device.type == "meta" and out[2][0].device.type == "meta"
+    assert torch.equal(out[0], cpu * 4) and scaler._scale.device.type == "cpu"

@@ -39,6 +39,8 @@ def make(fused: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
 def test_fused_path_makes_no_sync(recipe: str, inject: bool) -> None:
     model, opt = make(fused=True)
     scaler = GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
+    records: list[dict] = []
+    scaler.add_logger(records.append)  # telemetry on: the logger must not sync either
     counts = []
     for step in range(6):
         opt.zero_grad()
@@ -56,6 +58,7 @@ def test_fused_path_makes_no_sync(recipe: str, inject: bool) -> None:
         counts.append(counter.count)
     # The very first step of a fused optimizer with empty state syncs once (documented); none after.
     assert counts[1:] == [0] * 5, counts
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
     assert counts[0] <= 1
 
 
