@@ -52,4 +52,5 @@ def test_short_bench_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert cli.main(["bench", "--sections", "kernel", "--steps", "1", "--warmup", "1", "--out", str(path)]) == 0
     assert "gradscaler flag + L2 norms" in capsys.readouterr().out
     numbers = json.loads(path.read_text())
-    assert numbers["kernel"]["max_rel_error_vs_float64"] < 1e-5
+    # float32 sums over up to 25M values (CPU: BLAS dot) against float64: a few 1e-5 at most.
+    assert numbers["kernel"]["max_rel_error_vs_float64"] < 1e-4

@@ -320,7 +320,7 @@ class LegacyFusedSGD(torch.optim.SGD):
 
     _step_supports_amp_scaling = True
 
-    def step(self, closure=None, grad_scaler=None):  # noqa: ANN001, ANN201
+    def step(self, closure=None, grad_scaler=None):
         self.seen_scaler = grad_scaler
         found = sum(float(v) for v in grad_scaler._check_inf_per_device(self).values())
         if not found:
@@ -331,7 +331,7 @@ class LegacyFusedSGD(torch.optim.SGD):
 
 
 @pytest.mark.parametrize("scaler_cls", [GradScaler, torch.amp.GradScaler], ids=["ours", "torch"])
-def test_legacy_grad_scaler_keyword_gets_torchs_future_warning(scaler_cls) -> None:  # noqa: ANN001
+def test_legacy_grad_scaler_keyword_gets_torchs_future_warning(scaler_cls) -> None:
     model = nn.Linear(4, 2)
     opt = LegacyFusedSGD(model.parameters(), lr=0.1)
     scaler = scaler_cls("cpu", init_scale=8.0)
