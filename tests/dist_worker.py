@@ -65,6 +65,31 @@ def record(
     trace["unchanged"].append(unchanged and same_state(before[1], after[1]))
 
 
+def finish_step(
+    trace: dict[str, list[Any]],
+    scaler: GradScaler,
+    opt: torch.optim.Optimizer,
+    params: list[torch.Tensor],
+    clip: bool,
+    norm_ref: float | None = None,
+) -> None:
+    """Optional clipping, step, update, and the record of what the step did."""
+    before = snapshot(params, opt)
+    if clip:
+        if norm_ref is not None:
+            trace["norm_ref"].append(norm_ref)
+        trace["norm"].append(float(scaler.clip_grad_norm_(opt, 0.5)))
+    scaler.step(opt)
+    scaler.update()
+    record(trace, scaler, before, params, opt)
+
+
+def full_norm(grads: list[torch.Tensor], scale: float) -> float:
+    """float64 L2 norm of whole (unsharded) gradients, unscaled."""
+    per_tensor = torch.stack([torch.linalg.vector_norm(g.double()) for g in grads])
+    return float(torch.linalg.vector_norm(per_tensor)) / scale
+
+
 def hand_sharded(rank: int, world: int, clip: bool) -> dict[str, Any]:
     """Replicated model; parameter i belongs to rank i % world; owners broadcast after stepping."""
     model = make_model()
@@ -82,14 +107,8 @@ def hand_sharded(rank: int, world: int, clip: bool) -> dict[str, Any]:
             p.grad.div_(world)
         if step == BAD_STEP and rank == world - 1:
             owned[0].grad.view(-1)[0] = math.inf  # only this rank's shard is bad
-        before = snapshot(owned, opt)
-        if clip:
-            full = torch.stack([torch.linalg.vector_norm(p.grad.double()) for p in params])
-            trace["norm_ref"].append(float(torch.linalg.vector_norm(full)) / scaler.get_scale())
-            trace["norm"].append(float(scaler.clip_grad_norm_(opt, 0.5)))
-        scaler.step(opt)
-        scaler.update()
-        record(trace, scaler, before, owned, opt)
+        reference = full_norm([p.grad for p in params], scaler.get_scale()) if clip else None
+        finish_step(trace, scaler, opt, owned, clip, reference)
         for i, p in enumerate(params):
             dist.broadcast(p.data, src=i % world)
     trace["params"] = [p.detach().clone() for p in params]
@@ -115,12 +134,7 @@ def ddp(rank: int, world: int, fused: bool, clip: bool) -> dict[str, Any]:
         scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
         if handle is not None:
             handle.remove()
-        before = snapshot(params, opt)
-        if clip:
-            trace["norm"].append(float(scaler.clip_grad_norm_(opt, 0.5)))
-        scaler.step(opt)
-        scaler.update()
-        record(trace, scaler, before, params, opt)
+        finish_step(trace, scaler, opt, params, clip)
     trace["params"] = [p.detach().clone() for p in params]
     return trace
 
@@ -143,14 +157,8 @@ def fsdp2(rank: int, world: int, fused: bool, clip: bool) -> dict[str, Any]:
         scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
         if step == BAD_STEP and rank == world - 1:
             params[0].grad.to_local().view(-1)[0] = math.inf
-        before = snapshot(params, opt)
-        if clip:
-            full = torch.stack([torch.linalg.vector_norm(p.grad.full_tensor().double()) for p in params])
-            trace["norm_ref"].append(float(torch.linalg.vector_norm(full)) / scaler.get_scale())
-            trace["norm"].append(float(scaler.clip_grad_norm_(opt, 0.5)))
-        scaler.step(opt)
-        scaler.update()
-        record(trace, scaler, before, params, opt)
+        reference = full_norm([p.grad.full_tensor() for p in params], scaler.get_scale()) if clip else None
+        finish_step(trace, scaler, opt, params, clip, reference)
     trace["params"] = [p.full_tensor().detach().clone() for p in params]
     return trace
 
@@ -168,12 +176,7 @@ def single_process(clip: bool) -> dict[str, Any]:
         scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
         if step == BAD_STEP:
             params[2].grad[:, 0] = math.nan
-        before = snapshot(params, opt)
-        if clip:
-            trace["norm"].append(float(scaler.clip_grad_norm_(opt, 0.5)))
-        scaler.step(opt)
-        scaler.update()
-        record(trace, scaler, before, params, opt)
+        finish_step(trace, scaler, opt, params, clip)
     trace["params"] = [p.detach().clone() for p in params]
     return trace
 
