@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 import torch
 from torch import nn
 
@@ -108,3 +109,22 @@ def test_overflow_attribution_by_name_and_by_position() -> None:
     anonymous.step(opt)
     anonymous.update()
     assert anonymous.nonfinite_parameters() == ["param_groups[0][0] (2, 2)"]
+
+
+def test_last_grad_norms_come_from_the_clipping_pass() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    scaler = GradScaler("cpu", init_scale=64.0)
+    scaler.name_parameters(model)
+    assert scaler.last_grad_norms() == {}
+    scaler.scale(model(torch.ones(2, 3)).sum()).backward()
+    expected = {name: float(torch.linalg.vector_norm(p.grad.double() / 64)) for name, p in model.named_parameters()}
+    scaler.clip_grad_norm_(opt, 1e9)
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad(set_to_none=True)  # still available: the norms live on the device
+    got = scaler.last_grad_norms()
+    assert got.keys() == expected.keys()
+    for name, value in expected.items():
+        assert got[name] == pytest.approx(value, rel=1e-6)

@@ -49,13 +49,18 @@ def clip_grad_norm_(
         raise RuntimeError("clip_grad_norm_() has already been called on this optimizer since the last update().")
     unscaled = state["stage"] is OptState.UNSCALED
     fused = optim.supports_amp_scaling(optimizer) and not optim.takes_grad_scaler_kwarg(optimizer)
-    groups = grads.group_grads(optimizer, allow_fp16=fused and not unscaled)
+    owners = grads.new_groups()
+    groups = grads.group_grads(optimizer, allow_fp16=fused and not unscaled, owners=owners)
     norms, flags = grads.norms_and_check(groups, norm_type)
     if not unscaled:
         scaler._record_found_inf(optimizer, state, flags)
     total = distributed.reduce_norm_(total_norm(norms, norm_type, scale.device), norm_type, scaler._group(optimizer))
-    if not unscaled:
-        total = total * scaler._inv_scale()
+    factor = torch.ones((), device=scale.device) if unscaled else scaler._inv_scale()
+    total = total * factor
+    scaler._grad_norms[id(optimizer)] = [
+        ([p for by_dtype in (owners[device],) for ps in by_dtype.values() for p in ps], device_norms, factor)
+        for device, device_norms in norms.items()
+    ]
     coef = (max_norm / (total + 1e-6)).clamp_(max=1.0)
     if fused and not unscaled:
         state["grad_scale"] = scale / coef * getattr(optimizer, "grad_scale", 1)

@@ -23,6 +23,12 @@ from gradscaler.kernels import grad_stats
 
 GradGroups = dict[torch.device, dict[torch.dtype, list[torch.Tensor]]]
 
+
+def new_groups() -> GradGroups:
+    """An empty device -> dtype -> list mapping."""
+    return defaultdict(lambda: defaultdict(list))
+
+
 FP16_GRADS_MESSAGE = (
     "Attempting to unscale FP16 gradients. The parameters themselves are float16, so their gradients "
     "are too, and unscaling them in float16 loses the small values loss scaling exists to keep. Keep "
@@ -43,8 +49,11 @@ def iter_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
         yield from group["params"]
 
 
-def group_grads(optimizer: torch.optim.Optimizer, *, allow_fp16: bool) -> GradGroups:
+def group_grads(optimizer: torch.optim.Optimizer, *, allow_fp16: bool, owners: GradGroups | None = None) -> GradGroups:
     """The checkable views of ``optimizer``'s gradients, by device then dtype.
+
+    ``owners``, when given, receives the parameters in the same layout (``owners[d][t][i]`` owns
+    ``groups[d][t][i]``).
 
     Raises ``ValueError`` (torch's message, with advice) on a float16 gradient unless ``allow_fp16``.
     May replace a sparse float16 ``.grad`` by its coalesced copy. Dense plain gradients, the common
@@ -56,12 +65,12 @@ def group_grads(optimizer: torch.optim.Optimizer, *, allow_fp16: bool) -> GradGr
     for param in params:
         grad = param.grad
         (dense if type(grad) is torch.Tensor and not grad.is_sparse else special).append(param)  # type: ignore[union-attr]
-    groups: GradGroups = defaultdict(lambda: defaultdict(list))
+    groups = new_groups()
     with torch.no_grad():
         if dense:
             dense_grads: list[torch.Tensor] = [p.grad for p in dense]  # type: ignore[misc]
-            grouped = torch._C._group_tensors_by_device_and_dtype([dense_grads], False)  # type: ignore[list-item]
-            for (device, dtype), (tensor_lists, _) in grouped.items():
+            grouped = torch._C._group_tensors_by_device_and_dtype([dense_grads], owners is not None)  # type: ignore[list-item]
+            for (device, dtype), (tensor_lists, indices) in grouped.items():
                 tensors: list[torch.Tensor] = tensor_lists[0]  # type: ignore[assignment]
                 if dtype.is_complex:
                     tensors = [torch.view_as_real(t) for t in tensors]
@@ -69,9 +78,13 @@ def group_grads(optimizer: torch.optim.Optimizer, *, allow_fp16: bool) -> GradGr
                 elif dtype == torch.float16 and not allow_fp16:
                     raise ValueError(FP16_GRADS_MESSAGE)
                 groups[device][dtype].extend(tensors)
+                if owners is not None:
+                    owners[device][dtype].extend(dense[i] for i in indices)
         for param in special:
             grad = _special_view(param, allow_fp16)
             groups[grad.device][grad.dtype].append(grad)
+            if owners is not None:
+                owners[grad.device][grad.dtype].append(param)
     return groups
 
 

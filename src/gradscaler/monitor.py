@@ -36,6 +36,22 @@ def stats(scaler: GradScaler) -> dict[str, Any]:
     return out
 
 
+def _label(scaler: GradScaler, param: torch.Tensor, where: str) -> str:
+    return scaler._param_names.get(id(param)) or f"{where} {tuple(param.shape)}"
+
+
+def last_grad_norms(scaler: GradScaler) -> dict[str, float]:
+    """Unscaled per-parameter norms recorded by the last clipping pass of each optimizer."""
+    out: dict[str, float] = {}
+    for records in scaler._grad_norms.values():
+        for params, norms, factor in records:
+            values = (norms * factor.to(norms.device)).tolist()
+            out.update(
+                {_label(scaler, p, f"parameter {i}"): v for i, (p, v) in enumerate(zip(params, values, strict=True))}
+            )
+    return out
+
+
 def nonfinite_parameters(scaler: GradScaler) -> list[str]:
     """Names of parameters of the last iteration's optimizers whose gradients are not finite."""
     labelled: list[tuple[str, torch.Tensor]] = []
@@ -47,7 +63,7 @@ def nonfinite_parameters(scaler: GradScaler) -> list[str]:
             for pi, param in enumerate(group["params"]):
                 if param.grad is None:
                     continue
-                name = scaler._param_names.get(id(param)) or f"param_groups[{gi}][{pi}] {tuple(param.shape)}"
+                name = _label(scaler, param, f"param_groups[{gi}][{pi}]")
                 grad = param.grad
                 values = grad.coalesce()._values() if grad.is_sparse else grad
                 labelled.append((name, torch.isfinite(values).all().logical_not().cpu()))

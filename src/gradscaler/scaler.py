@@ -142,6 +142,7 @@ class GradScaler:
         self._last_found_inf: torch.Tensor | None = None
         self._last_optimizers: list[weakref.ReferenceType[torch.optim.Optimizer]] = []
         self._param_names: dict[int, str] = {}
+        self._grad_norms: dict[int, list[tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]]] = {}
         self._loggers: list[tuple[Callable[[dict[str, Any]], None], int]] = []
         self._collapse_reported_at = -1
         self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_refresh_per_optimizer_state)
@@ -476,6 +477,16 @@ class GradScaler:
 
         return monitor.nonfinite_parameters(self)
 
+    def last_grad_norms(self) -> dict[str, float]:
+        """Per-parameter unscaled gradient norms from each optimizer's last ``clip_grad_norm_`` (one sync).
+
+        Kept on the device from the clipping pass itself (nothing is re-read); names as in
+        ``nonfinite_parameters``. Empty before the first ``clip_grad_norm_``.
+        """
+        from gradscaler import monitor
+
+        return monitor.last_grad_norms(self)
+
     def name_parameters(self, named: Any) -> None:
         """Tell the scaler parameter names for overflow reports: a module or ``named_parameters()``."""
         pairs = named.named_parameters() if isinstance(named, torch.nn.Module) else named
@@ -513,6 +524,7 @@ class GradScaler:
         state["_param_names"] = {}
         state["_process_group"] = None
         state["_loggers"] = []
+        state["_grad_norms"] = {}
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
