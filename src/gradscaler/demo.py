@@ -138,7 +138,7 @@ def train(name: str, steps: int, batches: Batches, seed: int, progress: bool) ->
             sum_over_ranks_(params)
             scaler.step(opt)
             scaler.update()
-        losses.append(float(loss))
+        losses.append(loss.detach().item())
         if progress:
             _bar(name, step + 1, steps, losses[-1], begin)
     seconds = time.perf_counter() - begin
@@ -163,16 +163,20 @@ def train(name: str, steps: int, batches: Batches, seed: int, progress: bool) ->
 
 
 def _bar(name: str, done: int, total: int, loss: float, begin: float) -> None:
+    """A progress bar redrawn in place on a terminal; one line per 10% when stderr is a file or pipe."""
+    interactive = sys.stderr.isatty()
+    if not interactive and done % max(total // 10, 1) and done != total:
+        return
     width = 30
     filled = int(width * done / total)
     rate = done / max(time.perf_counter() - begin, 1e-9)
     eta = (total - done) / rate
     sys.stderr.write(
-        f"\r{name:<18} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} "
-        f"loss {loss:.3f}  {rate:.1f} it/s  eta {eta:.0f}s "
+        ("\r" if interactive else "")
+        + f"{name:<18} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} "
+        + f"loss {loss:.3f}  {rate:.1f} it/s  eta {eta:.0f}s "
+        + ("\n" if done == total or not interactive else "")
     )
-    if done == total:
-        sys.stderr.write("\n")
     sys.stderr.flush()
 
 
