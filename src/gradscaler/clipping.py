@@ -55,17 +55,17 @@ def clip_grad_norm_(
     if not unscaled:
         scaler._record_found_inf(optimizer, state, flags)
     total = distributed.reduce_norm_(total_norm(norms, norm_type, scale.device), norm_type, scaler._group(optimizer))
-    factor = torch.ones((), device=scale.device) if unscaled else scaler._inv_scale()
-    total = total * factor
+    inv_scale = torch.ones((), device=scale.device) if unscaled else scaler._inv_scale()
+    total = total * inv_scale
     scaler._grad_norms[id(optimizer)] = [
-        ([p for by_dtype in (owners[device],) for ps in by_dtype.values() for p in ps], device_norms, factor)
+        ([p for params in owners[device].values() for p in params], device_norms, inv_scale)
         for device, device_norms in norms.items()
     ]
     coef = (max_norm / (total + 1e-6)).clamp_(max=1.0)
     if fused and not unscaled:
         state["grad_scale"] = scale / coef * getattr(optimizer, "grad_scale", 1)
     else:
-        factor = coef if unscaled else coef * scaler._inv_scale()
+        factor = coef * inv_scale
         for device, by_dtype in groups.items():
             device_factor = factor.to(device, non_blocking=True)
             for tensors in by_dtype.values():

@@ -117,26 +117,25 @@ def unscale_and_check_(groups: GradGroups, inv_scale: torch.Tensor) -> dict[torc
 
 def check(groups: GradGroups) -> dict[torch.device, torch.Tensor]:
     """The non-finite flag per device (0-d float32, 1.0 when any value is inf or NaN); writes nothing."""
-    flags: dict[torch.device, torch.Tensor] = {}
-    for device, by_dtype in groups.items():
-        device_flags = [grad_stats(grads, None).nonfinite for grads in by_dtype.values()]
-        flags[device] = _any(device_flags)
-    return flags
+    return norms_and_check(groups, None)[1]
 
 
 def norms_and_check(
-    groups: GradGroups, norm_type: float
+    groups: GradGroups, norm_type: float | None
 ) -> tuple[dict[torch.device, torch.Tensor], dict[torch.device, torch.Tensor]]:
     """Per-tensor ``norm_type``-norms (float32, one 1-d tensor per device) and the flag per device.
 
     Norms are of the gradients as stored (still scaled); one read of each gradient gives both.
+    ``norm_type=None`` computes the flags alone (and returns no norms).
     """
     flags: dict[torch.device, torch.Tensor] = {}
     norms: dict[torch.device, torch.Tensor] = {}
     for device, by_dtype in groups.items():
         stats = [grad_stats(grads, norm_type) for grads in by_dtype.values()]
         flags[device] = _any([s.nonfinite for s in stats])
-        norms[device] = torch.cat([s.norms for s in stats if s.norms is not None])
+        parts = [s.norms for s in stats if s.norms is not None]
+        if parts:
+            norms[device] = parts[0] if len(parts) == 1 else torch.cat(parts)
     return norms, flags
 
 
