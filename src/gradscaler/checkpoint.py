@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+from gradscaler.rule import ScaleRule
 from gradscaler.telemetry import COUNTERS
 
 if TYPE_CHECKING:
@@ -58,7 +59,8 @@ def _number(d: dict[str, Any], key: str, *, integer: bool = False) -> Any:
     return value
 
 
-def _validated(scaler: GradScaler, d: dict[str, Any]) -> dict[str, Any]:
+def _validated_rule(scaler: GradScaler, d: dict[str, Any]) -> ScaleRule:
+    """The policy ``d`` describes, after checking every key's type and range."""
     if not isinstance(d, dict):
         raise TypeError(f"state_dict must be a dict, got {type(d).__name__}.")
     unknown = sorted(set(d) - set(TORCH_KEYS) - set(OUR_KEYS))
@@ -74,8 +76,6 @@ def _validated(scaler: GradScaler, d: dict[str, Any]) -> dict[str, Any]:
     for key in ("_growth_tracker", "steps", "_hysteresis_tracker", *COUNTERS):
         if key in d and d[key] < 0:
             raise ValueError(f"state_dict[{key!r}] must be >= 0, got {d[key]!r}.")
-    from gradscaler.rule import ScaleRule
-
     min_scale = d.get("min_scale", scaler._rule.min_scale or 0.0)
     max_scale = d.get("max_scale", scaler._rule.max_scale or math.inf)
     refill = scaler._rule.hysteresis_refill
@@ -97,7 +97,7 @@ def _validated(scaler: GradScaler, d: dict[str, Any]) -> dict[str, Any]:
         )
     except (ValueError, TypeError) as error:
         raise ValueError(f"The scaler's state_dict holds an invalid policy: {error}") from error
-    return {"rule": new_rule}
+    return new_rule
 
 
 def load_state_dict(scaler: GradScaler, d: dict[str, Any]) -> None:
@@ -108,8 +108,7 @@ def load_state_dict(scaler: GradScaler, d: dict[str, Any]) -> None:
         raise RuntimeError(
             "The source state dict is empty, possibly because it was saved from a disabled instance of GradScaler."
         )
-    checked = _validated(scaler, d)
-    scaler._rule = checked["rule"]
+    scaler._rule = _validated_rule(scaler, d)
     scaler._init_scale = float(d["scale"])
     scaler._init_growth_tracker = int(d["_growth_tracker"])
     scaler._init_hysteresis_tracker = int(d.get("_hysteresis_tracker", scaler._rule.hysteresis))

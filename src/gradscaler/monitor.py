@@ -10,26 +10,19 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gradscaler.errors import COLLAPSE_CAUSES, ScaleCollapseError, ScaleCollapseWarning
+from gradscaler.telemetry import COUNTERS
 
 if TYPE_CHECKING:
     from gradscaler.scaler import GradScaler
 
 
 def stats(scaler: GradScaler) -> dict[str, Any]:
-    """The scaler's counters and trackers as Python numbers (syncs once)."""
+    """The scaler's counters and trackers as Python numbers (reads the device: syncs)."""
     out: dict[str, Any] = {"scale": scaler.get_scale(), "steps": scaler._steps}
     if scaler._telemetry is not None:
         out.update(scaler._telemetry.read())
     else:
-        out.update(
-            dict(
-                zip(
-                    ("skipped_steps", "consecutive_skips", "growths", "backoffs", "collapse_run"),
-                    scaler._init_counters,
-                    strict=True,
-                )
-            )
-        )
+        out.update(zip(COUNTERS, scaler._init_counters, strict=True))
     out["growth_tracker"] = scaler._get_growth_tracker()
     tracker = scaler._hysteresis_tracker
     out["hysteresis_left"] = scaler._init_hysteresis_tracker if tracker is None else int(tracker.item())
