@@ -371,7 +371,7 @@ class GradScaler:
             self._telemetry.record_(found, before, scale, self._rule.lower)
             self._steps += 1
             self._last_found_inf = found
-            self._last_optimizers = [weakref.ref(o) for o in self._iteration_optimizers()]
+            self._last_optimizers = [s["optimizer"] for s in self._per_optimizer_states.values() if "optimizer" in s]
             self._after_update()
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
@@ -384,9 +384,6 @@ class GradScaler:
         else:
             scale.fill_(_positive_finite("new_scale", new_scale))
         rule.clamp_scale_(scale, self._rule)
-
-    def _iteration_optimizers(self) -> list[torch.optim.Optimizer]:
-        return [s["optimizer"]() for s in self._per_optimizer_states.values() if s.get("optimizer") is not None]
 
     def _after_update(self) -> None:
         """Non-blocking host work: loggers and collapse detection on the counters that have landed."""
