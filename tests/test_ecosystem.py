@@ -76,3 +76,34 @@ def test_compiled_model_trains_bit_identically_to_torchs_scaler() -> None:
         assert results[0][1] == results[1][1]
         for a, b in zip(results[0][0], results[1][0], strict=True):
             assert torch.equal(a, b)
+
+
+def test_lightning_trainer_mixed_precision_plugin_uses_our_scaler(tmp_path) -> None:
+    pl = pytest.importorskip("lightning.pytorch")
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net, _ = model_and_opt()
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            return self.net(batch).float().pow(2).mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    scaler = GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=4,
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(Module(), torch.utils.data.DataLoader(batches(4), batch_size=None))
+    assert scaler.stats()["steps"] == 4 and scaler.get_scale() == 2.0**10
