@@ -12,7 +12,7 @@ import statistics
 
 import torch
 
-from gradscaler.bench import _sleep_cycles, gpt2_shapes
+from gradscaler.tools.bench import gpt2_shapes, sleep_cycles
 from gradscaler.kernels import triton_stats
 
 
@@ -21,7 +21,7 @@ def median_ms(fn, reps: int = 40) -> float:
     for _ in range(5):
         fn()
     times = []
-    cycles = _sleep_cycles(5.0)
+    cycles = sleep_cycles(5.0)
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gradscaler import cli
+from gradscaler.tools import cli
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"], ["bench", "--help"]])

@@ -2,6 +2,6 @@
 
 import sys
 
-from gradscaler.cli import main
+from gradscaler.tools.cli import main
 
 sys.exit(main())

@@ -34,10 +34,9 @@ import torch
 from torch import nn
 
 from gradscaler import GradScaler
-from gradscaler.toy_model import TinyGPT
+from gradscaler.tools.toy_model import TinyGPT
 
 FP16_TINY = 2.0**-24  # smallest positive subnormal float16
-FP16_NORMAL = 2.0**-14  # smallest positive normal float16
 FP16_MAX = 65504.0
 RUNS = ("fp32", "fp16, no scaling", "fp16 + gradscaler")
 RANKS = 1024
@@ -285,7 +284,7 @@ def _smooth(values: list[float], window: int) -> list[float]:
 
 
 def main(args: Any) -> int:
-    """Entry point of ``gradscaler demo`` (arguments from ``gradscaler.cli``)."""
+    """Entry point of ``gradscaler demo`` (arguments from ``gradscaler.tools.cli``)."""
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     steps = args.steps or (600 if device.type == "cuda" else 200)
     out = Path(args.out)
@@ -294,7 +293,7 @@ def main(args: Any) -> int:
         f"gradscaler demo: a character-level transformer on generated sentences, {steps} steps per run, "
         f"on {device.type}.\nEach step back-propagates one rank's share of a per-token loss over a "
         f"{RANKS}-rank job (loss / {RANKS}), which is what makes its gradients small; see "
-        "`python -c 'import gradscaler.demo as d; help(d)'`.\n"
+        "`python -c 'import gradscaler.tools.demo as d; help(d)'`.\n"
     )
     batches = Batches(corpus(args.seed), batch=16, context=64, seed=args.seed, device=device)
     runs = [train(name, steps, batches, args.seed, not args.no_progress) for name in RUNS]

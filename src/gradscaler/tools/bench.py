@@ -30,7 +30,7 @@ from torch import nn
 
 from gradscaler import GradScaler
 from gradscaler.kernels import grad_stats
-from gradscaler.toy_model import TinyGPT
+from gradscaler.tools.toy_model import TinyGPT
 
 SCALE = 2.0**16
 BUSY_MS = 5.0
@@ -46,7 +46,7 @@ def gpt2_shapes(width: int, layers: int, vocab: int, context: int) -> list[tuple
     return shapes + [(width,)]
 
 
-def _sleep_cycles(ms: float) -> int:
+def sleep_cycles(ms: float) -> int:
     """GPU clock cycles that ``torch.cuda._sleep`` needs to keep the device busy for ``ms``."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda._sleep(1_000_000)
@@ -65,7 +65,7 @@ def _timer(device: torch.device, busy_ms: float = 0.0) -> Callable[[Callable[[],
     the backward pass still runs when the host calls ``step()``. Without it the host's Python time
     before the first launch is counted too.
     """
-    cycles = _sleep_cycles(busy_ms) if device.type == "cuda" and busy_ms > 0 else 0
+    cycles = sleep_cycles(busy_ms) if device.type == "cuda" and busy_ms > 0 else 0
 
     def timed(fn: Callable[[], Any]) -> float:
         if device.type == "cuda":
@@ -240,17 +240,17 @@ def iteration_section(device: torch.device, steps: int, warmup: int) -> list[dic
             runs[name] = (model, opt, scaler)
         times: dict[str, list[float]] = {"torch": [], "ours": []}
         losses: dict[str, list[torch.Tensor]] = {"torch": [], "ours": []}
-        scales: dict[str, list[torch.Tensor]] = {"torch": [], "ours": []}
+        scales: dict[str, list[float]] = {"torch": [], "ours": []}
         for i in range(warmup + steps):
             for name, (model, opt, scaler) in runs.items():
                 tokens = data[i % len(data)]
                 step = functools.partial(_iteration, model, opt, scaler, name, tokens, device, losses[name], clip)
                 ms = timed(step)
-                scales[name].append(torch.as_tensor(scaler._scale).clone())
+                scales[name].append(scaler.get_scale())  # after the timed call: its sync is not timed
                 if i >= warmup:
                     times[name].append(ms)
         med = {name: statistics.median(t) for name, t in times.items()}
-        same_scales = all(torch.equal(a, b) for a, b in zip(scales["ours"], scales["torch"], strict=True))
+        same_scales = scales["ours"] == scales["torch"]
         loss_diff = max(
             abs(float(a) - float(b)) / abs(float(b)) for a, b in zip(losses["ours"], losses["torch"], strict=True)
         )

@@ -83,14 +83,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _check_device(parser, args.device)
     if args.command == "bench":
-        from gradscaler import bench
+        from gradscaler.tools import bench
 
         results = bench.run(args.device, args.steps, args.warmup, args.sections)
         bench.dump(results, args.out)
         print(bench.format_tables(results))
         print(f"\nnumbers written to {args.out}")
         return 0
-    from gradscaler import demo
+    from gradscaler.tools import demo
 
     return demo.main(args)
 
