@@ -123,3 +123,46 @@ def test_disabled_scaler_clips_like_torch() -> None:
     torch.testing.assert_close(total, expected)
     clipped = torch.linalg.vector_norm(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
     torch.testing.assert_close(clipped, torch.tensor(1.0), rtol=1e-5, atol=0)
+
+
+# The pure functions of clipping.py, with no scaler.
+def test_clip_coefficient_is_torchs_factor() -> None:
+    from gradscaler.clipping import clip_coefficient
+
+    assert clip_coefficient(torch.tensor(4.0), 1.0).item() == pytest.approx(1.0 / (4.0 + 1e-6))
+    assert clip_coefficient(torch.tensor(0.5), 1.0).item() == 1.0
+    assert clip_coefficient(torch.tensor(float("inf")), 1.0).item() == 0.0
+
+
+def test_total_norm_combines_devices_and_handles_none() -> None:
+    from gradscaler.clipping import total_norm
+
+    cpu = torch.device("cpu")
+    norms = {cpu: torch.tensor([3.0, 4.0])}
+    assert total_norm(norms, 2.0, cpu).item() == 5.0
+    assert total_norm(norms, float("inf"), cpu).item() == 4.0
+    assert total_norm({}, 2.0, cpu).item() == 0.0
+
+
+def test_scale_grads_multiplies_every_group_in_place() -> None:
+    from gradscaler.clipping import scale_grads_
+    from gradscaler.grads import new_groups
+
+    groups = new_groups()
+    a, b = torch.ones(3), torch.full((2,), 2.0, dtype=torch.float64)
+    groups[a.device][a.dtype].append(a)
+    groups[b.device][b.dtype].append(b)
+    scale_grads_(groups, torch.tensor(0.5))
+    assert a.tolist() == [0.5] * 3 and b.tolist() == [1.0, 1.0]
+
+
+@pytest.mark.parametrize(
+    ("max_norm", "norm_type", "error"),
+    [(-1.0, 2.0, ValueError), (float("nan"), 2.0, ValueError), (1.0, "2", TypeError), (1.0, True, TypeError)],
+)
+def test_check_clip_arguments(max_norm: object, norm_type: object, error: type) -> None:
+    from gradscaler.clipping import check_clip_arguments
+
+    with pytest.raises(error):
+        check_clip_arguments(max_norm, norm_type)
+    assert check_clip_arguments(1, 2) == 2.0

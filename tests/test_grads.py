@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from gradscaler import GradScaler
-from gradscaler.grads import check, group_grads
+from gradscaler.grads import group_grads, nonfinite_flags
 
 
 def test_sparse_gradients_are_unscaled_like_torch() -> None:
@@ -91,6 +91,6 @@ def test_groups_by_device_and_dtype_and_check_writes_nothing() -> None:
     opt = torch.optim.SGD([a, b, c], lr=0.1)
     groups = group_grads(opt, allow_fp16=True)
     assert set(groups[torch.device("cpu")]) == {torch.float32, torch.float64, torch.bfloat16}
-    flags = check(groups)
+    flags = nonfinite_flags(groups)
     assert float(flags[torch.device("cpu")]) == 1.0
     assert torch.equal(a.grad, torch.full((3,), 3.0)) and float(b.grad[0]) == 3.0

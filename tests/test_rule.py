@@ -75,7 +75,7 @@ def test_kernel_and_reference_agree_on_random_sequences(seed: int) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"hysteresis": 0}, "hysteresis must be an int >= 1"),
+        ({"hysteresis": 0}, "hysteresis must be an int in \\[1, 2147483647\\]"),
         ({"hysteresis_refill": "never"}, "hysteresis_refill must be one of"),
         ({"min_scale": 0.0}, "min_scale must be a finite number > 0, got 0.0"),
         ({"max_scale": float("inf")}, "max_scale must be a finite number > 0, got inf"),
@@ -85,3 +85,110 @@ def test_kernel_and_reference_agree_on_random_sequences(seed: int) -> None:
 def test_rule_rejects_bad_settings(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ScaleRule(**kwargs)
+
+
+# Validation in one place: whatever the constructor or a setter accepts, its own state_dict loads.
+from hypothesis import assume, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from gradscaler import GradScaler  # noqa: E402
+from gradscaler.rule import FLOAT32_MAX, INT32_MAX  # noqa: E402
+
+finite_above_one = st.floats(min_value=1.0, max_value=1e30, exclude_min=True, allow_nan=False)
+in_unit = st.floats(min_value=0.0, max_value=1.0, exclude_min=True, exclude_max=True)
+scale_like = st.floats(min_value=1e-44, max_value=1e300, allow_nan=False)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    init=scale_like,
+    growth=finite_above_one,
+    backoff=in_unit,
+    interval=st.integers(1, INT32_MAX),
+    hysteresis=st.integers(1, INT32_MAX),
+    refill=st.sampled_from(["clean", "growth"]),
+    low=st.none() | st.floats(min_value=1e-40, max_value=FLOAT32_MAX),
+    high=st.none() | st.floats(min_value=SCALE_FLOOR, max_value=1e300),
+    used=st.booleans(),
+)
+def test_every_accepted_policy_round_trips_through_its_state_dict(
+    init, growth, backoff, interval, hysteresis, refill, low, high, used
+) -> None:
+    if low is not None and high is not None and low > high:
+        low, high = high, low
+    try:
+        ScaleRule(min_scale=low, max_scale=high)
+    except ValueError as error:
+        assume("no float32 value between them" not in str(error))
+    scaler = GradScaler(
+        "cpu", init, growth, backoff, interval, hysteresis=hysteresis, hysteresis_refill=refill,
+        min_scale=low, max_scale=high,
+    )  # fmt: skip
+    if used:
+        scaler.scale(torch.ones(()))
+    saved = scaler.state_dict()
+    fresh = GradScaler("cpu")
+    fresh.load_state_dict(saved)
+    assert fresh.state_dict() == saved
+    assert scaler._rule.lower <= fresh.get_scale() <= scaler._rule.upper
+
+
+@settings(max_examples=40, deadline=None)
+@given(growth=finite_above_one, backoff=in_unit, interval=st.integers(1, INT32_MAX))
+def test_every_accepted_setter_value_round_trips(growth: float, backoff: float, interval: int) -> None:
+    scaler = GradScaler("cpu")
+    scaler.set_growth_factor(growth)
+    scaler.set_backoff_factor(backoff)
+    scaler.set_growth_interval(interval)
+    fresh = GradScaler("cpu")
+    fresh.load_state_dict(scaler.state_dict())
+    assert (fresh.get_growth_factor(), fresh.get_backoff_factor(), fresh.get_growth_interval()) == (
+        growth,
+        backoff,
+        interval,
+    )
+
+
+@pytest.mark.parametrize(
+    ("setter", "value", "error", "message"),
+    [
+        ("set_growth_factor", 1.0, ValueError, "growth_factor must be a finite number > 1.0, got 1.0"),
+        ("set_growth_factor", float("nan"), ValueError, "growth_factor must be a finite number > 1.0, got nan"),
+        ("set_backoff_factor", 3.0, ValueError, "backoff_factor must be a number in (0, 1), got 3.0"),
+        ("set_backoff_factor", 0.0, ValueError, "backoff_factor must be a number in (0, 1), got 0.0"),
+        ("set_growth_interval", 0, ValueError, "growth_interval must be an int in [1, 2147483647], got 0"),
+        ("set_growth_interval", torch.tensor(5), TypeError, "growth_interval must be an int, got Tensor"),
+    ],
+)
+def test_refused_values_are_refused_with_one_wording_and_change_nothing(
+    setter: str, value: object, error: type, message: str
+) -> None:
+    scaler = GradScaler("cpu", growth_interval=7)
+    before = scaler.state_dict()
+    with pytest.raises(error) as excinfo:
+        getattr(scaler, setter)(value)
+    assert message in str(excinfo.value)
+    assert scaler.state_dict() == before
+    kwarg = {"set_growth_factor": "growth_factor", "set_backoff_factor": "backoff_factor"}.get(setter)
+    if kwarg is not None and kwarg == "growth_factor" and value == 1.0:
+        return  # the constructor keeps torch's AssertionError for this one (tests/test_scaler.py)
+    name = setter.removeprefix("set_")
+    with pytest.raises((error, AssertionError)):
+        GradScaler("cpu", **{name: value})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_scale": 1e-40}, "max_scale must be >= 2**-126"),
+        ({"min_scale": 1e300}, "min_scale must be <= float32 max"),
+        ({"growth_factor": float("inf")}, "growth_factor must be a finite number > 1.0, got inf"),
+        ({"backoff_factor": -0.5}, "backoff_factor must be a number in (0, 1), got -0.5"),
+        ({"backoff_factor": float("nan")}, "backoff_factor must be a number in (0, 1), got nan"),
+        ({"growth_interval": -3}, "growth_interval must be an int in [1, 2147483647], got -3"),
+    ],
+)
+def test_constructor_refuses_policies_that_cannot_work(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError) as excinfo:
+        GradScaler("cpu", **kwargs)
+    assert message in str(excinfo.value)

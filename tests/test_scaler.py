@@ -57,6 +57,9 @@ def test_public_methods_match_torch_signatures() -> None:
 def test_all_public_names_exist_and_are_documented() -> None:
     assert gradscaler.__all__ == sorted(gradscaler.__all__)
     for name in gradscaler.__all__:
+        if name == "OptState":  # torch's own enum (no docstring there), so code comparing stages works
+            assert gradscaler.OptState is torch.amp.grad_scaler.OptState
+            continue
         assert getattr(gradscaler, name).__doc__, name
     for name, member in inspect.getmembers(GradScaler):
         if not name.startswith("_") and callable(member):
@@ -196,7 +199,7 @@ def test_disabled_scaler_is_transparent() -> None:
 def test_cuda_without_cuda_warns_and_disables(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.warns(
-        UserWarning, match=r"^torch.cuda.amp.GradScaler is enabled, but CUDA is not available.  Disabling.$"
+        UserWarning, match=r"^gradscaler.GradScaler\(device='cuda'\) is enabled, but CUDA is not available.  Disabling"
     ):
         scaler = GradScaler()
     assert not scaler.is_enabled()
@@ -209,7 +212,7 @@ NON_DEFAULT = {
     "growth_interval": 17,
     "_growth_tracker": 5,
     "hysteresis": 3,
-    "hysteresis_refill_on_growth": True,
+    "hysteresis_refill": "growth",
     "min_scale": 2.0,
     "max_scale": 2.0**20,
     "_hysteresis_tracker": 2,
@@ -249,19 +252,26 @@ def test_state_dict_interoperates_with_torch(tmp_path) -> None:
     path = tmp_path / "ckpt.pt"
     torch.save({"scaler": ours.state_dict()}, path)
     assert torch.load(path, weights_only=True)["scaler"] == ours.state_dict()
-    assert all(isinstance(v, (int, float)) for v in ours.state_dict().values())
+    assert all(isinstance(v, (int, float, str)) for v in ours.state_dict().values())
 
 
 @pytest.mark.parametrize(
     ("change", "error", "message"),
     [
-        ({"scale": float("nan")}, ValueError, "state_dict['scale'] is NaN"),
-        ({"scale": float("inf")}, ValueError, "state_dict['scale'] must be finite and > 0, got inf"),
-        ({"scale": 0.0}, ValueError, "state_dict['scale'] must be finite and > 0, got 0.0"),
-        ({"scale": -4.0}, ValueError, "must be finite and > 0, got -4.0"),
-        ({"_growth_tracker": -1}, ValueError, "state_dict['_growth_tracker'] must be >= 0, got -1"),
-        ({"growth_interval": 2.5}, TypeError, "state_dict['growth_interval'] must be an int, got float 2.5"),
-        ({"scale": "big"}, TypeError, "state_dict['scale'] must be a float, got str 'big'"),
+        ({"scale": float("nan")}, ValueError, "state_dict['scale'] must be a finite number > 0, got nan"),
+        ({"scale": float("inf")}, ValueError, "state_dict['scale'] must be a finite number > 0, got inf"),
+        ({"scale": 0.0}, ValueError, "state_dict['scale'] must be a finite number > 0, got 0.0"),
+        ({"scale": -4.0}, ValueError, "must be a finite number > 0, got -4.0"),
+        ({"scale": 1e300}, ValueError, "state_dict['scale'] must be <= float32 max"),
+        ({"_growth_tracker": -1}, ValueError, "state_dict['_growth_tracker'] must be an int in [0, 2147483647], got"),
+        ({"_growth_tracker": 2**31}, ValueError, "state_dict['_growth_tracker'] must be an int in [0, 2147483647]"),
+        ({"_hysteresis_tracker": 1000}, ValueError, "state_dict['_hysteresis_tracker'] must be an int in [0, 3]"),
+        ({"skipped_steps": 2**63}, ValueError, "state_dict['skipped_steps'] must be an int in [0, "),
+        ({"growth_interval": 2.5}, TypeError, "growth_interval must be an int, got float 2.5"),
+        ({"scale": "big"}, TypeError, "state_dict['scale'] must be a real number (int or float), got str 'big'"),
+        ({"hysteresis_refill": "sometimes"}, ValueError, "invalid policy: hysteresis_refill must be one of"),
+        ({"max_scale": 1e-40, "min_scale": 0.0}, ValueError, "max_scale must be >= 2**-126"),
+        ({"min_scale": 1e300}, ValueError, "min_scale must be <= float32 max"),
         ({"bogus": 1}, ValueError, "Unknown keys in the scaler's state_dict: ['bogus']"),
         ({"backoff_factor": 1.5}, ValueError, "invalid policy"),
         ({"hysteresis": 0}, ValueError, "invalid policy"),

@@ -1,4 +1,7 @@
-"""gradscaler: dynamic loss scaling for float16 training, a drop-in for ``torch.amp.GradScaler``."""
+"""gradscaler: dynamic loss scaling for float16 training, a drop-in for ``torch.amp.GradScaler``.
+
+Only the names in ``__all__`` are API; module paths below this package may change between releases.
+"""
 
 from gradscaler.errors import ScaleCollapseError, ScaleCollapseWarning
 from gradscaler.monitor import JsonLinesLogger

@@ -1,125 +1,120 @@
-"""The scaler's state dict: torch's five keys plus ours, validated whole before anything is loaded."""
+"""The scaler's state dict: torch's five keys plus ours, built from values and parsed back into values.
+
+``build_state_dict`` writes plain Python numbers and strings only, so ``torch.load(...,
+weights_only=True)`` reads a checkpoint of it. ``parse_state_dict`` validates a whole dict (ours or
+torch's) and returns what it describes; it mutates nothing, so a refused dict leaves the scaler as it
+was. Every value the scaler can write is one ``parse_state_dict`` accepts.
+"""
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any, NamedTuple
 
+from gradscaler import rule
 from gradscaler.rule import ScaleRule
-from gradscaler.telemetry import COUNTERS
-
-if TYPE_CHECKING:
-    from gradscaler.scaler import GradScaler
+from gradscaler.telemetry import COUNTERS, SATURATE
 
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
-OUR_KEYS = (
+EXTENSION_KEYS = (
     "hysteresis",
-    "hysteresis_refill_on_growth",
+    "hysteresis_refill",
     "min_scale",
     "max_scale",
     "_hysteresis_tracker",
     "steps",
     *COUNTERS,
 )
+LEGACY_KEYS = ("hysteresis_refill_on_growth",)
+"""Written by gradscaler 0.1.0 (a bool for ``hysteresis_refill == "growth"``); still read."""
+INT64_MAX = 2**63 - 1
 
 
-def state_dict(scaler: GradScaler) -> dict[str, Any]:
-    """Plain Python numbers only, so ``torch.load(..., weights_only=True)`` reads a checkpoint of it."""
-    if not scaler._enabled:
-        return {}
-    r = scaler._rule
-    from gradscaler.monitor import stats
+class ScalerState(NamedTuple):
+    """Everything a state dict carries, as validated values."""
 
-    current = stats(scaler)
+    rule: ScaleRule
+    scale: float
+    growth_tracker: int
+    hysteresis_tracker: int
+    counters: list[int]
+    steps: int
+
+
+def build_state_dict(state: ScalerState) -> dict[str, Any]:
+    """torch's five entries, then this scaler's policy, trackers and counters."""
+    policy = state.rule
     out: dict[str, Any] = {
-        "scale": current["scale"],
-        "growth_factor": r.growth_factor,
-        "backoff_factor": r.backoff_factor,
-        "growth_interval": r.growth_interval,
-        "_growth_tracker": current["growth_tracker"],
-        "hysteresis": r.hysteresis,
-        "hysteresis_refill_on_growth": r.hysteresis_refill == "growth",
-        "min_scale": float(r.min_scale or 0.0),
-        "max_scale": float(r.max_scale or math.inf),
-        "_hysteresis_tracker": current["hysteresis_left"],
-        "steps": current["steps"],
+        "scale": state.scale,
+        "growth_factor": policy.growth_factor,
+        "backoff_factor": policy.backoff_factor,
+        "growth_interval": policy.growth_interval,
+        "_growth_tracker": state.growth_tracker,
+        "hysteresis": policy.hysteresis,
+        "hysteresis_refill": policy.hysteresis_refill,
+        "min_scale": float(policy.min_scale or 0.0),
+        "max_scale": float(policy.max_scale or math.inf),
+        "_hysteresis_tracker": state.hysteresis_tracker,
+        "steps": state.steps,
     }
-    out.update({name: current[name] for name in COUNTERS})
+    out.update(zip(COUNTERS, state.counters, strict=True))
     return out
 
 
-def _number(d: dict[str, Any], key: str, *, integer: bool = False) -> Any:
-    value = d[key]
-    kinds: tuple[type, ...] = (int,) if integer else (int, float)
-    if (isinstance(value, bool) and key != "hysteresis_refill_on_growth") or not isinstance(value, kinds):
-        wanted = "an int" if integer else "a float"
-        raise TypeError(f"state_dict[{key!r}] must be {wanted}, got {type(value).__name__} {value!r}.")
-    if isinstance(value, float) and math.isnan(value):
-        raise ValueError(f"state_dict[{key!r}] is NaN.")
-    return value
+def parse_state_dict(state_dict: Any, current: ScaleRule) -> ScalerState:
+    """Validate ``state_dict`` whole and return what it describes.
 
-
-def _validated_rule(scaler: GradScaler, d: dict[str, Any]) -> ScaleRule:
-    """The policy ``d`` describes, after checking every key's type and range."""
-    if not isinstance(d, dict):
-        raise TypeError(f"state_dict must be a dict, got {type(d).__name__}.")
-    unknown = sorted(set(d) - set(TORCH_KEYS) - set(OUR_KEYS))
+    Keys a torch state dict lacks keep ``current``'s policy and start fresh (trackers full, counters
+    0). The loaded scale must be finite and > 0 in float32 terms; it is moved into the policy's
+    bounds as ``init_scale`` is. Raises ``TypeError``/``ValueError`` naming the key and the value.
+    """
+    if not isinstance(state_dict, dict):
+        raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}.")
+    known = (*TORCH_KEYS, *EXTENSION_KEYS, *LEGACY_KEYS)
+    unknown = sorted(set(state_dict) - set(known), key=str)
     if unknown:
-        raise ValueError(f"Unknown keys in the scaler's state_dict: {unknown}. Known: {[*TORCH_KEYS, *OUR_KEYS]}.")
-    missing = [k for k in TORCH_KEYS if k not in d]
+        raise ValueError(f"Unknown keys in the scaler's state_dict: {unknown}. Known: {list(known)}.")
+    missing = [key for key in TORCH_KEYS if key not in state_dict]
     if missing:
         raise ValueError(f"The scaler's state_dict lacks {missing}: is it a GradScaler state_dict?")
-    for key in d:
-        _number(d, key, integer=key not in ("scale", "growth_factor", "backoff_factor", "min_scale", "max_scale"))
-    if not (math.isfinite(d["scale"]) and d["scale"] > 0):
-        raise ValueError(f"state_dict['scale'] must be finite and > 0, got {d['scale']!r}.")
-    for key in ("_growth_tracker", "steps", "_hysteresis_tracker", *COUNTERS):
-        if key in d and d[key] < 0:
-            raise ValueError(f"state_dict[{key!r}] must be >= 0, got {d[key]!r}.")
-    min_scale = d.get("min_scale", scaler._rule.min_scale or 0.0)
-    max_scale = d.get("max_scale", scaler._rule.max_scale or math.inf)
-    refill = scaler._rule.hysteresis_refill
-    if "hysteresis_refill_on_growth" in d:
-        refill = "growth" if d["hysteresis_refill_on_growth"] else "clean"
+    policy = _parse_rule(state_dict, current)
+    scale = rule.positive_finite("state_dict['scale']", state_dict["scale"])
+    if scale > rule.FLOAT32_MAX:
+        raise ValueError(f"state_dict['scale'] must be <= float32 max ({rule.FLOAT32_MAX:g}), got {scale!r}.")
+    hysteresis = state_dict.get("_hysteresis_tracker", policy.hysteresis)
+    counters = [_count(state_dict, name, SATURATE) for name in COUNTERS]
+    return ScalerState(
+        rule=policy,
+        scale=policy.clamp(scale),
+        growth_tracker=rule.integer("state_dict['_growth_tracker']", state_dict["_growth_tracker"], 0, rule.INT32_MAX),
+        hysteresis_tracker=rule.integer("state_dict['_hysteresis_tracker']", hysteresis, 0, policy.hysteresis),
+        counters=counters,
+        steps=_count(state_dict, "steps", INT64_MAX),
+    )
+
+
+def _count(state_dict: dict[str, Any], key: str, high: int) -> int:
+    return rule.integer(f"state_dict[{key!r}]", state_dict.get(key, 0), 0, high)
+
+
+def _parse_rule(state_dict: dict[str, Any], current: ScaleRule) -> ScaleRule:
+    refill = state_dict.get("hysteresis_refill", current.hysteresis_refill)
+    if "hysteresis_refill_on_growth" in state_dict:
+        legacy = state_dict["hysteresis_refill_on_growth"]
+        if not isinstance(legacy, bool):
+            raise TypeError(f"state_dict['hysteresis_refill_on_growth'] must be a bool, got {legacy!r}.")
+        refill = "growth" if legacy else "clean"
+    min_scale = state_dict.get("min_scale", current.min_scale)
+    max_scale = state_dict.get("max_scale", current.max_scale)
     try:
-        if d["growth_factor"] <= 1.0 or not d["backoff_factor"] < 1.0 or d["backoff_factor"] <= 0:
-            raise ValueError("growth_factor must be > 1 and backoff_factor in (0, 1)")
-        if d["growth_interval"] < 1:
-            raise ValueError("growth_interval must be >= 1")
-        new_rule = ScaleRule(
-            float(d["growth_factor"]),
-            float(d["backoff_factor"]),
-            int(d["growth_interval"]),
-            int(d.get("hysteresis", scaler._rule.hysteresis)),
-            refill,
-            float(min_scale) if min_scale > 0 else None,
-            float(max_scale) if math.isfinite(max_scale) else None,
+        return ScaleRule(
+            growth_factor=state_dict["growth_factor"],
+            backoff_factor=state_dict["backoff_factor"],
+            growth_interval=state_dict["growth_interval"],
+            hysteresis=state_dict.get("hysteresis", current.hysteresis),
+            hysteresis_refill=refill,
+            min_scale=None if min_scale == 0.0 else min_scale,
+            max_scale=None if max_scale == math.inf else max_scale,
         )
-    except (ValueError, TypeError) as error:
-        raise ValueError(f"The scaler's state_dict holds an invalid policy: {error}") from error
-    return new_rule
-
-
-def load_state_dict(scaler: GradScaler, d: dict[str, Any]) -> None:
-    """Validate ``d`` whole, then load it; a refused dict leaves the scaler unchanged."""
-    if not scaler._enabled:
-        return
-    if isinstance(d, dict) and len(d) == 0:
-        raise RuntimeError(
-            "The source state dict is empty, possibly because it was saved from a disabled instance of GradScaler."
-        )
-    scaler._rule = _validated_rule(scaler, d)
-    scaler._init_scale = float(d["scale"])
-    scaler._init_growth_tracker = int(d["_growth_tracker"])
-    scaler._init_hysteresis_tracker = int(d.get("_hysteresis_tracker", scaler._rule.hysteresis))
-    counters = [int(d.get(name, 0)) for name in COUNTERS]
-    scaler._init_counters = counters
-    scaler._steps = int(d.get("steps", scaler._steps))
-    if scaler._scale is not None:
-        scaler._scale.fill_(scaler._init_scale)
-    if scaler._growth_tracker is not None:
-        scaler._growth_tracker.fill_(scaler._init_growth_tracker)
-    if scaler._hysteresis_tracker is not None:
-        scaler._hysteresis_tracker.fill_(scaler._init_hysteresis_tracker)
-    if scaler._telemetry is not None:
-        scaler._telemetry.counters.copy_(scaler._telemetry.counters.new_tensor(counters))
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"The scaler's state_dict holds an invalid policy: {error}") from error

@@ -9,6 +9,7 @@ Collectives are issued on the current stream: with NCCL they do not block the ho
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -32,6 +33,15 @@ def dtensor_group(tensor: torch.Tensor) -> Any | None:
         "DTensor gradients sharded over several mesh dimensions need an explicit process_group: "
         f"placements {placements!r} on a {mesh.ndim}-d mesh."
     )
+
+
+def agreement_group(grads: Iterable[torch.Tensor], explicit: Any | None = None) -> Any | None:
+    """The group over which these gradients' overflow flag and clip norm are reduced (``explicit`` wins)."""
+    if explicit is not None:
+        return explicit
+    for grad in grads:
+        return dtensor_group(grad)
+    return None
 
 
 def agree_on_flag_(flag: torch.Tensor, group: Any | None) -> torch.Tensor:

@@ -4,7 +4,7 @@ Three passes exist, each a single sweep over the gradient bytes:
 
 * ``unscale_and_check_``: read + write, ``g *= 1/S`` and the non-finite flag (torch's
   ``_amp_foreach_non_finite_check_and_unscale_``; the minimum for optimizers that read ``.grad``).
-* ``check``: read only, the non-finite flag (for fused optimizers, which unscale inside their kernel).
+* ``nonfinite_flags``: read only, the non-finite flag (for fused optimizers, which unscale inside their kernel).
 * ``norms_and_check``: read only, the flag and per-tensor norms (for scale-aware clipping).
 
 Sparse gradients contribute their values (fp16 ones are coalesced first, so duplicate indices that sum
@@ -81,33 +81,50 @@ def group_grads(optimizer: torch.optim.Optimizer, *, allow_fp16: bool, owners: G
                 if owners is not None:
                     owners[device][dtype].extend(dense[i] for i in indices)
         for param in special:
-            grad = _special_view(param, allow_fp16)
+            grad = param.grad
+            assert grad is not None
+            if grad.dtype == torch.float16 and not allow_fp16:
+                raise ValueError(FP16_GRADS_MESSAGE)
+            if grad.is_sparse and grad.dtype is torch.float16:
+                # Duplicate indices of scaled float16 values can sum past 65504: check (and step) them summed.
+                param.grad = grad = grad.coalesce()
+            grad = checkable_view(grad)
             groups[grad.device][grad.dtype].append(grad)
             if owners is not None:
                 owners[grad.device][grad.dtype].append(param)
     return groups
 
 
-def _special_view(param: torch.Tensor, allow_fp16: bool) -> torch.Tensor:
-    """The checkable view of a sparse or DTensor gradient (coalescing float16 sparse ones)."""
-    grad = _local(param.grad)  # type: ignore[arg-type]
-    if not allow_fp16 and grad.dtype == torch.float16:
-        raise ValueError(FP16_GRADS_MESSAGE)
+def checkable_view(grad: torch.Tensor) -> torch.Tensor:
+    """The values of ``grad`` that decide whether it is finite, as a real strided tensor.
+
+    A DTensor gives its local shard, a sparse tensor its values (float16 ones summed over duplicate
+    indices first), a complex tensor its real view; a plain tensor itself. Writes nothing.
+    """
+    grad = _local(grad)
     if grad.is_sparse:
-        if grad.dtype is torch.float16:
-            param.grad = param.grad.coalesce()  # type: ignore[union-attr]
-            grad = _local(param.grad)
+        if grad.dtype is torch.float16 and not grad.is_coalesced():
+            grad = grad.coalesce()
         grad = grad._values()
     if grad.is_complex():
         grad = torch.view_as_real(grad)
     return grad
 
 
-def unscale_and_check_(groups: GradGroups, inv_scale: torch.Tensor) -> dict[torch.device, torch.Tensor]:
-    """Multiply every gradient by ``inv_scale`` in place; return a 0-d float32 flag per device."""
+def unscale_and_check_(
+    groups: GradGroups, inv_scale: torch.Tensor, found_inf: torch.Tensor | None = None
+) -> dict[torch.device, torch.Tensor]:
+    """Multiply every gradient by ``inv_scale`` in place; return a 0-d float32 flag per device.
+
+    Each device's flag starts as a copy of ``found_inf`` (0 when None) and becomes 1.0 if any of that
+    device's gradients is inf or NaN.
+    """
     flags: dict[torch.device, torch.Tensor] = {}
     for device, by_dtype in groups.items():
-        found = torch.zeros((), dtype=torch.float32, device=device)
+        if found_inf is None:
+            found = torch.zeros((), dtype=torch.float32, device=device)
+        else:
+            found = found_inf.to(device, non_blocking=True, copy=True)
         inv = inv_scale.to(device, non_blocking=True)
         for grads in by_dtype.values():
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
@@ -115,7 +132,7 @@ def unscale_and_check_(groups: GradGroups, inv_scale: torch.Tensor) -> dict[torc
     return flags
 
 
-def check(groups: GradGroups) -> dict[torch.device, torch.Tensor]:
+def nonfinite_flags(groups: GradGroups) -> dict[torch.device, torch.Tensor]:
     """The non-finite flag per device (0-d float32, 1.0 when any value is inf or NaN); writes nothing."""
     return norms_and_check(groups, None)[1]
 
@@ -132,15 +149,15 @@ def norms_and_check(
     norms: dict[torch.device, torch.Tensor] = {}
     for device, by_dtype in groups.items():
         stats = [grad_stats(grads, norm_type) for grads in by_dtype.values()]
-        flags[device] = _any([s.nonfinite for s in stats])
+        flags[device] = combine_flags([s.nonfinite for s in stats])
         parts = [s.norms for s in stats if s.norms is not None]
         if parts:
             norms[device] = parts[0] if len(parts) == 1 else torch.cat(parts)
     return norms, flags
 
 
-def _any(flags: list[torch.Tensor]) -> torch.Tensor:
-    """Combine 0-d float flags into one 0-d float32 flag (1.0 if any is nonzero)."""
+def combine_flags(flags: list[torch.Tensor]) -> torch.Tensor:
+    """Combine 0-d float flags on one device into one (nonzero if any is); a single flag is returned as is."""
     if len(flags) == 1:
         return flags[0]
     return torch.stack(flags).amax()

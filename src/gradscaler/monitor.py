@@ -1,102 +1,160 @@
-"""What the scaler tells its user: stats, loggers, overflow attribution and collapse detection."""
+"""Host-side reporting for one scaler: loggers, parameter names, overflow attribution, collapse detection.
+
+``telemetry`` keeps the device counters; this module decides what to tell the user about them. A
+``Monitor`` is fed values by its scaler (counters that have landed on the host, the optimizers of
+the last iteration, the clipping pass's norms) and never sees the scaler itself.
+"""
 
 from __future__ import annotations
 
+import copy
 import json
 import warnings
+import weakref
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from gradscaler.errors import COLLAPSE_CAUSES, ScaleCollapseError, ScaleCollapseWarning
-from gradscaler.telemetry import COUNTERS
+from gradscaler.grads import checkable_view
 
-if TYPE_CHECKING:
-    from gradscaler.scaler import GradScaler
+Logger = Callable[[dict[str, Any]], None]
+NormRecord = tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]
+"""Parameters of one device, their norms as measured (1-d), and the factor that unscales those norms."""
 
-
-def stats(scaler: GradScaler) -> dict[str, Any]:
-    """The scaler's counters and trackers as Python numbers (reads the device: syncs)."""
-    out: dict[str, Any] = {"scale": scaler.get_scale(), "steps": scaler._steps}
-    if scaler._telemetry is not None:
-        out.update(scaler._telemetry.read())
-    else:
-        out.update(zip(COUNTERS, scaler._init_counters, strict=True))
-    out["growth_tracker"] = scaler._get_growth_tracker()
-    tracker = scaler._hysteresis_tracker
-    out["hysteresis_left"] = scaler._init_hysteresis_tracker if tracker is None else int(tracker.item())
-    return out
+ON_COLLAPSE = ("raise", "warn")
+SHOWN_NAMES = 20
 
 
-def _label(scaler: GradScaler, param: torch.Tensor, where: str) -> str:
-    return scaler._param_names.get(id(param)) or f"{where} {tuple(param.shape)}"
+class Monitor:
+    """What one scaler reports, and the host-side state it needs to do so.
 
+    ``steps`` counts completed ``update()`` calls. Loggers, parameter names, the last iteration's
+    optimizers (weak references) and the clipping norms are per process: pickling drops them,
+    ``copy.deepcopy`` keeps them (see ``__getstate__`` and ``__deepcopy__``).
+    """
 
-def last_grad_norms(scaler: GradScaler) -> dict[str, float]:
-    """Unscaled per-parameter norms recorded by the last clipping pass of each optimizer."""
-    out: dict[str, float] = {}
-    for records in scaler._grad_norms.values():
-        for params, norms, factor in records:
-            values = (norms * factor.to(norms.device)).tolist()
-            out.update(
-                {_label(scaler, p, f"parameter {i}"): v for i, (p, v) in enumerate(zip(params, values, strict=True))}
-            )
-    return out
+    def __init__(self, collapse_patience: int | None = 50, on_collapse: str = "raise", steps: int = 0) -> None:
+        if on_collapse not in ON_COLLAPSE:
+            raise ValueError(f"on_collapse must be 'raise' or 'warn', got {on_collapse!r}.")
+        if collapse_patience is not None and (
+            isinstance(collapse_patience, bool) or not isinstance(collapse_patience, int) or collapse_patience < 1
+        ):
+            raise ValueError(f"collapse_patience must be an int >= 1 or None, got {collapse_patience!r}.")
+        self.collapse_patience = collapse_patience
+        self.on_collapse = on_collapse
+        self.steps = steps
+        self.loggers: list[tuple[Logger, int]] = []
+        self.param_names: dict[int, str] = {}
+        self.grad_norms: dict[int, list[NormRecord]] = {}
+        self.last_optimizers: list[weakref.ReferenceType[torch.optim.Optimizer]] = []
+        self._collapse_reported_at = -1
 
+    @property
+    def wants_counters(self) -> bool:
+        """Whether ``after_update`` has anything to do with landed counters."""
+        return bool(self.loggers) or self.collapse_patience is not None
 
-def nonfinite_parameters(scaler: GradScaler) -> list[str]:
-    """Names of parameters of the last iteration's optimizers whose gradients are not finite."""
-    labelled: list[tuple[str, torch.Tensor]] = []
-    for ref in scaler._last_optimizers or []:
-        optimizer = ref()
-        if optimizer is None:
-            continue
-        for gi, group in enumerate(optimizer.param_groups):
-            for pi, param in enumerate(group["params"]):
-                if param.grad is None:
-                    continue
-                name = _label(scaler, param, f"param_groups[{gi}][{pi}]")
-                grad = param.grad
-                values = grad.coalesce()._values() if grad.is_sparse else grad
-                labelled.append((name, torch.isfinite(values).all().logical_not().cpu()))
-    if not labelled:
-        return []
-    bad = torch.stack([flag for _, flag in labelled]).tolist()
-    return [name for (name, _), is_bad in zip(labelled, bad, strict=True) if is_bad]
+    def add_logger(self, callback: Logger, every: int = 1) -> None:
+        """Call ``callback(record)`` every ``every`` updates (see ``GradScaler.add_logger``)."""
+        if not callable(callback):
+            raise TypeError(f"callback must be callable, got {type(callback).__name__}.")
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"every must be an int >= 1, got {every!r}.")
+        self.loggers.append((callback, every))
 
+    def name_parameters(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Remember ``name`` for each ``(name, parameter)``."""
+        self.param_names.update({id(param): name for name, param in pairs})
 
-def after_update(scaler: GradScaler) -> None:
-    """Feed loggers and check for collapse, on counters that have landed on the host (no sync)."""
-    telemetry = scaler._telemetry
-    if telemetry is None or (not scaler._loggers and scaler._collapse_patience is None):
-        return
-    landed = telemetry.landed()
-    if landed is None:
-        return
-    for callback, every in scaler._loggers:
-        if scaler._steps % every == 0:
-            callback({"step": scaler._steps, **landed})
-    patience = scaler._collapse_patience
-    run = landed["collapse_run"]
-    if patience is None or run < patience:
-        scaler._collapse_reported_at = -1
-        return
-    if scaler._collapse_reported_at >= 0:
-        return
-    scaler._collapse_reported_at = scaler._steps
-    names = nonfinite_parameters(scaler)
-    shown = ", ".join(names[:20]) + (f" and {len(names) - 20} more" if len(names) > 20 else "")
-    message = (
-        f"Loss scale collapsed at step {scaler._steps}: {run} consecutive overflowing steps at the minimum "
-        f"scale {landed['scale']:g}; every one of them was skipped. Parameters with non-finite gradients "
-        f"now: {shown or 'none (the gradients of the current step are finite)'}. {COLLAPSE_CAUSES} "
-        "Call scaler.name_parameters(model) for names; pass on_collapse='warn' or collapse_patience=None "
-        "to keep training."
-    )
-    if scaler._on_collapse == "raise":
-        raise ScaleCollapseError(message)
-    warnings.warn(message, ScaleCollapseWarning, stacklevel=3)
+    def label(self, param: torch.Tensor, where: str) -> str:
+        """The parameter's name, or ``where`` and its shape when it was never named."""
+        return self.param_names.get(id(param)) or f"{where} {tuple(param.shape)}"
+
+    def record_update(self, optimizers: list[weakref.ReferenceType[torch.optim.Optimizer]]) -> None:
+        """Count one completed update and remember its optimizers for attribution."""
+        self.steps += 1
+        self.last_optimizers = optimizers
+
+    def after_update(self, landed: dict[str, Any] | None) -> None:
+        """Feed loggers and detect collapse from counters that have landed on the host (no sync).
+
+        Raises ``ScaleCollapseError`` (or warns) once per collapse, after ``collapse_patience``
+        consecutive overflowing steps at the minimum scale.
+        """
+        if landed is None:
+            return
+        for callback, every in self.loggers:
+            if self.steps % every == 0:
+                callback({"step": self.steps, **landed})
+        run = landed["collapse_run"]
+        if self.collapse_patience is None or run < self.collapse_patience:
+            self._collapse_reported_at = -1
+            return
+        if self._collapse_reported_at >= 0:
+            return
+        self._collapse_reported_at = self.steps
+        message = self._collapse_message(run, landed["scale"])
+        if self.on_collapse == "raise":
+            raise ScaleCollapseError(message)
+        warnings.warn(message, ScaleCollapseWarning, stacklevel=4)
+
+    def _collapse_message(self, run: int, scale: float) -> str:
+        names = self.nonfinite_parameters()
+        shown = ", ".join(names[:SHOWN_NAMES])
+        if len(names) > SHOWN_NAMES:
+            shown += f" and {len(names) - SHOWN_NAMES} more"
+        return (
+            f"Loss scale collapsed at step {self.steps}: {run} consecutive overflowing steps at the minimum "
+            f"scale {scale:g}; every one of them was skipped. Parameters with non-finite gradients "
+            f"now: {shown or 'none (the gradients of the current step are finite)'}. {COLLAPSE_CAUSES} "
+            "Call scaler.name_parameters(model) for names; pass on_collapse='warn' or collapse_patience=None "
+            "to keep training."
+        )
+
+    def nonfinite_parameters(self) -> list[str]:
+        """Names of the last iteration's parameters whose gradients hold inf or NaN (one sync)."""
+        labelled: list[tuple[str, torch.Tensor]] = []
+        for ref in self.last_optimizers:
+            optimizer = ref()
+            if optimizer is None:
+                continue
+            for gi, group in enumerate(optimizer.param_groups):
+                for pi, param in enumerate(group["params"]):
+                    if param.grad is None:
+                        continue
+                    finite = torch.isfinite(checkable_view(param.grad)).all()
+                    labelled.append((self.label(param, f"param_groups[{gi}][{pi}]"), finite.logical_not().cpu()))
+        if not labelled:
+            return []
+        bad = torch.stack([flag for _, flag in labelled]).tolist()
+        return [name for (name, _), is_bad in zip(labelled, bad, strict=True) if is_bad]
+
+    def last_grad_norms(self) -> dict[str, float]:
+        """Unscaled per-parameter norms recorded by the last clipping pass of each optimizer (one sync)."""
+        out: dict[str, float] = {}
+        for records in self.grad_norms.values():
+            for params, norms, factor in records:
+                values = (norms * factor.to(norms.device)).tolist()
+                labels = [self.label(p, f"parameter {i}") for i, p in enumerate(params)]
+                out.update(zip(labels, values, strict=True))
+        return out
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.update(loggers=[], param_names={}, grad_norms={}, last_optimizers=[])
+        return state
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Monitor:
+        """A copy that keeps loggers (the same callbacks) and parameter names, unlike a pickle."""
+        new = copy.copy(self)
+        new.loggers = list(self.loggers)
+        new.param_names = dict(self.param_names)
+        new.grad_norms = {}
+        new.last_optimizers = []
+        return new
 
 
 class JsonLinesLogger:

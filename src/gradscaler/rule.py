@@ -1,34 +1,25 @@
-"""The scale-update rule, as pure tensor operations (no host sync).
+"""The scale-update rule: its validated constants (``ScaleRule``) and pure in-place tensor ops.
 
-The rule reads one overflow flag per iteration and moves three small device tensors: the scale ``S``
-(float32), the growth tracker (int32, clean steps since the last growth or overflow) and the
-hysteresis tracker (int32, overflows still allowed before a backoff)::
+The rule itself is stated once, as pseudo-code, in the ``GradScaler`` class docstring. Notes on this
+implementation: the backoff and growth products are computed in float64 and rounded once to float32,
+as torch's kernel does; the scale is then clamped into ``[lower, upper]``. The floor 2**-126 (the
+smallest normal float32, whose reciprocal is finite) is the one place the rule differs from torch's
+``_amp_update_scale_``, which lets S reach 0 after ~150 consecutive overflows, after which ``1/S`` is
+inf and every unscaled gradient is inf or NaN. With ``hysteresis=1``, no ``min_scale`` or
+``max_scale`` and S above the floor, the rule is bit-identical to torch's kernel. Nothing here reads
+a tensor back to the host.
 
-    if found_inf:                                   # the step was skipped
-        tracker = 0
-        hysteresis_left -= 1
-        if hysteresis_left <= 0:
-            S = S * backoff_factor                  # product in float64, rounded once to float32
-    else:
-        tracker += 1
-        if refill == "clean": hysteresis_left = hysteresis
-        if tracker == growth_interval:
-            tracker = 0
-            hysteresis_left = hysteresis
-            if isfinite(S * growth_factor): S = S * growth_factor
-    S = clamp(S, lower, upper)
-
-``lower`` is ``max(min_scale, 2**-126)`` and ``upper`` is ``min(max_scale, float32 max)``. The floor
-2**-126 (the smallest normal float32) is the one place this rule differs from torch's
-``_amp_update_scale_``: torch lets S reach 0 after ~150 consecutive overflows, after which
-``1/S`` is inf and every unscaled gradient is inf or NaN. With ``hysteresis=1``, no ``min_scale`` or
-``max_scale`` and S above the floor, the rule is bit-identical to torch's kernel.
+Every value the scaler's policy can hold is checked here, and only here: the constructor, the
+setters and ``load_state_dict`` all build a ``ScaleRule``, so whatever one of them accepts the others
+accept too, and a scaler's own ``state_dict()`` always loads.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import numbers
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import torch
 
@@ -36,13 +27,47 @@ SCALE_FLOOR = 2.0**-126
 """Smallest scale the rule ever produces: the smallest normal float32, whose reciprocal is finite."""
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+INT32_MAX = 2**31 - 1
+"""Trackers and the intervals they count to live in int32 device tensors."""
 
 REFILL_MODES = ("clean", "growth")
 
 
+def real_number(name: str, value: Any) -> float:
+    """``value`` as a float when it is a real number (int, float, NumPy scalar; not bool or tensor)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number (int or float), got {type(value).__name__} {value!r}.")
+    return float(value)
+
+
+def integer(name: str, value: Any, low: int, high: int) -> int:
+    """``value`` as an int when it is an integer in ``[low, high]`` (not bool, not a float)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}.")
+    number = int(value)
+    if not low <= number <= high:
+        raise ValueError(f"{name} must be an int in [{low}, {high}], got {value!r}.")
+    return number
+
+
+def positive_finite(name: str, value: Any) -> float:
+    """``value`` as a float when it is a real number, finite and > 0."""
+    number = real_number(name, value)
+    if not math.isfinite(number) or number <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}.")
+    return number
+
+
 @dataclass(frozen=True)
 class ScaleRule:
-    """Constants of the update rule; validated at construction."""
+    """The constants of the update rule, each checked and normalised to a plain Python number.
+
+    ``growth_factor``: finite, > 1. ``backoff_factor``: in (0, 1). ``growth_interval`` and
+    ``hysteresis``: ints in [1, 2**31 - 1]. ``hysteresis_refill``: ``"clean"`` or ``"growth"``.
+    ``min_scale`` / ``max_scale``: None or finite > 0, ``min_scale <= float32 max``,
+    ``max_scale >= 2**-126``, ``min_scale <= max_scale``. Violations raise ``ValueError`` (a value out of
+    range) or ``TypeError`` (not a number), naming the argument and echoing the value.
+    """
 
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
@@ -53,42 +78,75 @@ class ScaleRule:
     max_scale: float | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.hysteresis, int) or isinstance(self.hysteresis, bool) or self.hysteresis < 1:
-            raise ValueError(
-                f"hysteresis must be an int >= 1 (the number of consecutive overflowing steps before a "
-                f"backoff), got {self.hysteresis!r}."
-            )
+        growth = real_number("growth_factor", self.growth_factor)
+        if not (math.isfinite(growth) and growth > 1.0):
+            raise ValueError(f"growth_factor must be a finite number > 1.0, got {self.growth_factor!r}.")
+        backoff = real_number("backoff_factor", self.backoff_factor)
+        if not 0.0 < backoff < 1.0:
+            raise ValueError(f"backoff_factor must be a number in (0, 1), got {self.backoff_factor!r}.")
+        interval = integer("growth_interval", self.growth_interval, 1, INT32_MAX)
+        hysteresis = integer("hysteresis", self.hysteresis, 1, INT32_MAX)
         if self.hysteresis_refill not in REFILL_MODES:
             raise ValueError(f"hysteresis_refill must be one of {REFILL_MODES}, got {self.hysteresis_refill!r}.")
-        for name in ("min_scale", "max_scale"):
-            value = getattr(self, name)
-            if value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"{name} must be a float or None, got {type(value).__name__} {value!r}.")
-            if not math.isfinite(value) or value <= 0:
-                raise ValueError(f"{name} must be a finite number > 0, got {value!r}.")
-        if self.min_scale is not None and self.max_scale is not None and self.min_scale > self.max_scale:
+        bounds = [None if b is None else positive_finite(n, b) for n, b in self._bounds()]
+        low, high = bounds
+        if low is not None and low > FLOAT32_MAX:
+            raise ValueError(f"min_scale must be <= float32 max ({FLOAT32_MAX:g}), got {self.min_scale!r}.")
+        if high is not None and high < SCALE_FLOOR:
+            raise ValueError(f"max_scale must be >= 2**-126 (the smallest normal float32), got {self.max_scale!r}.")
+        if low is not None and high is not None and low > high:
             raise ValueError(f"min_scale ({self.min_scale!r}) must not exceed max_scale ({self.max_scale!r}).")
+        for name, value in zip(
+            ("growth_factor", "backoff_factor", "growth_interval", "hysteresis", "min_scale", "max_scale"),
+            (growth, backoff, interval, hysteresis, low, high),
+            strict=True,
+        ):
+            object.__setattr__(self, name, value)
+        if self.lower > self.upper:
+            raise ValueError(
+                f"min_scale ({self.min_scale!r}) and max_scale ({self.max_scale!r}) hold no float32 value between them."
+            )
+
+    def _bounds(self) -> list[tuple[str, Any]]:
+        return [("min_scale", self.min_scale), ("max_scale", self.max_scale)]
+
+    def with_changes(self, **changes: Any) -> ScaleRule:
+        """A new rule with ``changes`` applied, validated like any other."""
+        unknown = sorted(set(changes) - {f.name for f in fields(self)})
+        if unknown:
+            raise TypeError(f"ScaleRule has no field(s) {unknown}.")
+        return replace(self, **changes)
 
     @property
     def lower(self) -> float:
-        """The smallest scale the rule produces."""
-        return max(float(self.min_scale or 0.0), SCALE_FLOOR)
+        """The smallest scale the rule produces (a float32 value: ``min_scale`` rounded up)."""
+        return max(_float32_toward(self.min_scale or 0.0, math.inf), SCALE_FLOOR)
 
     @property
     def upper(self) -> float:
-        """The largest scale the rule produces."""
-        return min(float(self.max_scale or math.inf), FLOAT32_MAX)
+        """The largest scale the rule produces (a float32 value: ``max_scale`` rounded down)."""
+        return min(_float32_toward(self.max_scale or FLOAT32_MAX, -math.inf), FLOAT32_MAX)
+
+    def clamp(self, scale: float) -> float:
+        """``scale`` (a finite number > 0) moved into ``[lower, upper]``."""
+        return min(max(scale, self.lower), self.upper)
 
     @property
-    def is_torch_rule(self) -> bool:
+    def matches_torch_kernel(self) -> bool:
         """True when torch's ``_amp_update_scale_`` kernel computes this rule (before the clamp)."""
         return self.hysteresis == 1
 
 
+def _float32_toward(value: float, direction: float) -> float:
+    """The float32 nearest ``value`` on the side of ``direction`` (``value`` itself when exact)."""
+    rounded = torch.tensor(value, dtype=torch.float32)
+    if (float(rounded) - value) * direction < 0:
+        rounded = torch.nextafter(rounded, torch.tensor(direction, dtype=torch.float32))
+    return float(rounded)
+
+
 def clamp_scale_(scale: torch.Tensor, rule: ScaleRule) -> torch.Tensor:
-    """Clamp ``scale`` in place into ``[rule.lower, rule.upper]`` (NaN stays NaN: see ``sanitize``)."""
+    """Clamp ``scale`` in place into ``[rule.lower, rule.upper]`` (a NaN stays NaN; the rule makes none)."""
     return scale.clamp_(rule.lower, rule.upper)
 
 
@@ -103,7 +161,7 @@ def update_scale_(
 
     All four tensors live on one device. Nothing is read back to the host.
     """
-    if rule.is_torch_rule:
+    if rule.matches_torch_kernel:
         # One launch for the common case; the floor/ceiling clamp is the only addition.
         torch._amp_update_scale_(
             scale, growth_tracker, found_inf, rule.growth_factor, rule.backoff_factor, rule.growth_interval
@@ -122,8 +180,8 @@ def update_scale_reference_(
 ) -> None:
     """The rule written out with ``torch.where``: any hysteresis, same results as the kernel at 1."""
     found = found_inf != 0
-    hyst_after = torch.where(found, hysteresis_tracker - 1, hysteresis_tracker)
-    backoff = found & (hyst_after <= 0)
+    hysteresis_after = torch.where(found, hysteresis_tracker - 1, hysteresis_tracker)
+    backoff = found & (hysteresis_after <= 0)
     clean_count = growth_tracker + 1
     grow = (~found) & (clean_count == rule.growth_interval)
     scale64 = scale.double()
@@ -132,8 +190,8 @@ def update_scale_reference_(
     new_scale = torch.where(backoff, shrunk, torch.where(grow & torch.isfinite(grown), grown, scale))
     new_tracker = torch.where(found | grow, torch.zeros_like(growth_tracker), clean_count)
     refill = grow if rule.hysteresis_refill == "growth" else ~found
-    new_hyst = torch.where(refill, torch.full_like(hysteresis_tracker, rule.hysteresis), hyst_after)
+    new_hysteresis = torch.where(refill, torch.full_like(hysteresis_tracker, rule.hysteresis), hysteresis_after)
     scale.copy_(new_scale)
     clamp_scale_(scale, rule)
     growth_tracker.copy_(new_tracker)
-    hysteresis_tracker.copy_(new_hyst.clamp_(min=0))
+    hysteresis_tracker.copy_(new_hysteresis.clamp_(min=0))

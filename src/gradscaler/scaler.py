@@ -1,76 +1,92 @@
-"""GradScaler: the public API and the per-optimizer state machine (READY -> UNSCALED -> STEPPED)."""
+"""GradScaler: the public API, the only owner of scaler state, and the per-optimizer state machine.
+
+Every other module of the library takes values and returns values; this one holds the state, calls
+them in order and keeps torch's private surface that other libraries rely on.
+"""
 
 from __future__ import annotations
 
-import math
+import copy
 import warnings
 import weakref
 from collections import abc, defaultdict
 from collections.abc import Callable
-from enum import Enum
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
+from torch.amp.grad_scaler import OptState
 
-from gradscaler import distributed, grads, optim, rule
+from gradscaler import checkpoint, clipping, distributed, fused, grads, rule
+from gradscaler.monitor import Monitor
 from gradscaler.telemetry import COUNTERS, Telemetry
 
 _CLOSURE_MESSAGE = "Closure use is not currently supported if GradScaler is enabled."
-_NO_CUDA_MESSAGE = "torch.cuda.amp.GradScaler is enabled, but CUDA is not available.  Disabling."
+_NO_CUDA_MESSAGE = (
+    "gradscaler.GradScaler(device='cuda') is enabled, but CUDA is not available.  Disabling: scale() returns "
+    "its input unchanged and step() calls optimizer.step() as it is. Pass device='cpu' to scale on the CPU."
+)
 _NEW_SCALE_REASON = (
     "new_scale should be a float or a 1-element torch.cuda.FloatTensor or torch.FloatTensor with requires_grad=False."
 )
+_PICKLE_MESSAGE = (
+    "A GradScaler instance may only be pickled at the beginning of an iteration, or at the end after scaler.update()."
+)
 
 
-class OptState(Enum):
-    """Where an optimizer is in the current iteration."""
+class OptimizerRecord(TypedDict, total=False):
+    """What the scaler knows about one optimizer during the current iteration.
 
-    READY = 0
-    UNSCALED = 1
-    STEPPED = 2
+    ``stage`` and ``found_inf_per_device`` are torch's two keys (torch's ``OptState``); the others are
+    ours: the agreed flag, a weak reference to the optimizer, the ``grad_scale`` a fused optimizer
+    receives after clipping, the factor by which its gradients were multiplied in place, and whether
+    ``clip_grad_norm_`` ran.
+    """
+
+    stage: OptState
+    found_inf_per_device: dict[torch.device, torch.Tensor]
+    found_inf: torch.Tensor
+    optimizer: weakref.ReferenceType[torch.optim.Optimizer]
+    grad_scale: torch.Tensor
+    grads_factor: torch.Tensor
+    clipped: bool
 
 
-def _refresh_per_optimizer_state() -> dict[str, Any]:
+def _refresh_per_optimizer_state() -> OptimizerRecord:
     return {"stage": OptState.READY, "found_inf_per_device": {}}
 
 
-def _positive_finite(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a float, got {type(value).__name__} {value!r}.")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}.")
-    return float(value)
-
-
-class GradScaler:
+class GradScaler(torch.amp.GradScaler):
     """Dynamic loss scaling for float16 training: a drop-in replacement for ``torch.amp.GradScaler``.
 
     Usage is torch's: ``scaler.scale(loss).backward()``, optionally ``scaler.unscale_(optimizer)`` or
     ``scaler.clip_grad_norm_(optimizer, max_norm)``, then ``scaler.step(optimizer)`` and
     ``scaler.update()``. With default arguments every scale, every skipped step and every parameter
-    is bit-identical to a run with torch's scaler. The scale ``S`` follows this rule at ``update()``::
+    is bit-identical to a run with torch's scaler, and ``isinstance(scaler, torch.amp.GradScaler)``
+    holds (every method is ours; none of torch's runs). The scale ``S`` follows this rule at
+    ``update()``, the only statement of it in the library::
 
         found_inf = any non-finite gradient, in any optimizer, on any device (and any rank of
                     process_group) this iteration
-        if found_inf:                                  # step() skipped the optimizer
-            tracker = 0
-            hysteresis_left -= 1
-            if hysteresis_left <= 0: S = S * backoff_factor
+        if found_inf:                                  # step() skipped the optimizer's update
+            growth_tracker = 0
+            hysteresis_tracker -= 1                    # overflows still tolerated before a backoff
+            if hysteresis_tracker <= 0: S = S * backoff_factor
         else:
-            tracker += 1
-            if hysteresis_refill == "clean": hysteresis_left = hysteresis
-            if tracker == growth_interval:
-                tracker = 0; hysteresis_left = hysteresis
+            growth_tracker += 1
+            if hysteresis_refill == "clean": hysteresis_tracker = hysteresis
+            if growth_tracker == growth_interval:
+                growth_tracker = 0; hysteresis_tracker = hysteresis
                 if isfinite(S * growth_factor): S = S * growth_factor
         S = clamp(S, max(min_scale, 2**-126), min(max_scale, float32 max))
 
-    Differences from torch, each where torch's result is a defect: the scale never drops below
-    2**-126 (torch reaches 0, and every parameter becomes NaN); an optimizer without gradients is
-    stepped rather than refused; a fused optimizer's gradients are checked by a read-only pass, not
-    rewritten; a step skipped on an optimizer's first step never reaches the optimizer (torch's fused
-    SGD keeps uninitialised momentum buffers); ``update(new_scale)`` takes an int; ``step`` refuses a
-    positional closure; several overflowing devices tell a fused optimizer ``found_inf = 1`` not their
-    sum (torch's fused Adam then rolls its step counter back too far).
+    Differences from torch, each where torch's result is a defect (docs/migration.md): the scale never
+    drops below 2**-126 (torch reaches 0, and every parameter becomes NaN); policies that cannot work
+    (``backoff_factor <= 0``, ``growth_interval < 1``, non-finite factors) are refused; an optimizer
+    without gradients is stepped rather than refused; a fused optimizer's gradients are checked by a
+    read-only pass, not rewritten; state a fused optimizer creates on a skipped first step is dropped
+    (torch's fused SGD keeps uninitialised momentum buffers); ``update(new_scale)`` takes an int;
+    ``step`` refuses a positional closure; an exception inside ``optimizer.step`` leaves the gradients
+    scaled, so a retried iteration unscales them exactly once.
 
     Args:
         device: device type of the scale (``"cuda"``, ``"cpu"``, ...). ``"cuda"`` without CUDA warns
@@ -81,7 +97,7 @@ class GradScaler:
             DeepSpeed's ``consecutive_hysteresis``) or ``"growth"`` (only a growth refills: Megatron).
         min_scale, max_scale: bounds on the scale.
         process_group: the group over which the overflow flag (and clipping norm) is all-reduced.
-            DTensor gradients are reduced over their mesh without it.
+            Sharded DTensor gradients are reduced over their mesh without it.
         collapse_patience: consecutive overflowing steps at the minimum scale before
             ``on_collapse`` acts (``None`` never acts).
         on_collapse: ``"raise"`` a ``ScaleCollapseError`` or ``"warn"`` with ``ScaleCollapseWarning``.
@@ -111,7 +127,7 @@ class GradScaler:
         if self._device == "cuda" and enabled and not torch.cuda.is_available():
             warnings.warn(_NO_CUDA_MESSAGE, stacklevel=2)
             self._enabled = False
-        if self._enabled:
+        if self._enabled:  # torch's two checks, with torch's type and words
             if growth_factor <= 1.0:
                 raise AssertionError("The growth factor must be > 1.0.")
             if backoff_factor >= 1.0:
@@ -119,122 +135,29 @@ class GradScaler:
         self._rule = rule.ScaleRule(
             growth_factor, backoff_factor, growth_interval, hysteresis, hysteresis_refill, min_scale, max_scale
         )
-        init_scale = _positive_finite("init_scale", init_scale)
-        if on_collapse not in ("raise", "warn"):
-            raise ValueError(f"on_collapse must be 'raise' or 'warn', got {on_collapse!r}.")
-        if collapse_patience is not None and (not isinstance(collapse_patience, int) or collapse_patience < 1):
-            raise ValueError(f"collapse_patience must be an int >= 1 or None, got {collapse_patience!r}.")
-        if not isinstance(history, int) or history < 1:
-            raise ValueError(f"history must be an int >= 1, got {history!r}.")
-        self._init_scale = min(max(init_scale, self._rule.lower), self._rule.upper)
+        self._init_scale = self._rule.clamp(rule.positive_finite("init_scale", init_scale))
+        self._history = rule.integer("history", history, 1, 2**31 - 1)
+        self._monitor = Monitor(collapse_patience, on_collapse)
         self._init_growth_tracker = 0
-        self._init_hysteresis_tracker = hysteresis
+        self._init_hysteresis_tracker = self._rule.hysteresis
         self._init_counters = [0] * len(COUNTERS)
         self._process_group = process_group
-        self._collapse_patience = collapse_patience
-        self._on_collapse = on_collapse
-        self._history = history
         self._scale: torch.Tensor | None = None
         self._growth_tracker: torch.Tensor | None = None
         self._hysteresis_tracker: torch.Tensor | None = None
         self._telemetry: Telemetry | None = None
-        self._steps = 0
         self._last_found_inf: torch.Tensor | None = None
-        self._last_optimizers: list[weakref.ReferenceType[torch.optim.Optimizer]] = []
-        self._param_names: dict[int, str] = {}
-        self._grad_norms: dict[int, list[tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]]] = {}
-        self._loggers: list[tuple[Callable[[dict[str, Any]], None], int]] = []
-        self._collapse_reported_at = -1
-        self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_refresh_per_optimizer_state)
+        # torch annotates the records as plain dicts; ours declare their keys.
+        self._per_optimizer_states: dict[int, OptimizerRecord] = defaultdict(  # type: ignore[assignment]
+            _refresh_per_optimizer_state
+        )
 
     @classmethod
     def for_bf16(cls, device: str = "cuda", **kwargs: Any) -> GradScaler:
         """A scaler for bfloat16 runs: scale fixed at 1, non-finite steps still skipped, clipping kept."""
         return cls(device, init_scale=1.0, min_scale=1.0, max_scale=1.0, **kwargs)
 
-    # ----------------------------------------------------------------------------------- internals
-    @property
-    def _growth_factor(self) -> float:
-        return self._rule.growth_factor
-
-    @property
-    def _backoff_factor(self) -> float:
-        return self._rule.backoff_factor
-
-    @property
-    def _growth_interval(self) -> int:
-        return self._rule.growth_interval
-
-    def _set_rule(self, **changes: Any) -> None:
-        fields = {name: getattr(self._rule, name) for name in rule.ScaleRule.__dataclass_fields__}
-        fields.update(changes)
-        self._rule = rule.ScaleRule(**fields)
-
-    def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
-        fix = "This may indicate your script did not use scaler.scale(loss or outputs) earlier in the iteration."
-        if self._scale is None:
-            raise AssertionError(f"Attempted {funcname} but _scale is None.  " + fix)
-        if self._growth_tracker is None:
-            raise AssertionError(f"Attempted {funcname} but _growth_tracker is None.  " + fix)
-        return self._scale, self._growth_tracker
-
-    def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
-        if self._growth_tracker is not None:
-            raise AssertionError("_growth_tracker initialized before _scale")
-        self._scale = torch.full((), self._init_scale, dtype=torch.float32, device=dev)
-        self._growth_tracker = torch.full((), self._init_growth_tracker, dtype=torch.int32, device=dev)
-        self._hysteresis_tracker = torch.full((), self._init_hysteresis_tracker, dtype=torch.int32, device=dev)
-        self._telemetry = Telemetry(self._scale.device, self._history, self._init_counters)
-
-    def _inv_scale(self) -> torch.Tensor:
-        scale, _ = self._check_scale_growth_tracker("unscale_")
-        return scale.double().reciprocal().float()
-
-    def _group(self, optimizer: torch.optim.Optimizer) -> Any | None:
-        if self._process_group is not None:
-            return self._process_group
-        for param in grads.iter_params(optimizer):
-            if param.grad is not None:
-                return distributed.dtensor_group(param.grad)
-        return None
-
-    def _record_found_inf(
-        self, optimizer: torch.optim.Optimizer, state: dict[str, Any], per_device: dict[torch.device, torch.Tensor]
-    ) -> torch.Tensor:
-        """Store the per-device flags and their agreed combination (on the scale's device, all ranks)."""
-        scale, _ = self._check_scale_growth_tracker("step")
-        flags = [flag.to(scale.device, non_blocking=True) for flag in per_device.values()]
-        if not flags:
-            combined = torch.zeros((), dtype=torch.float32, device=scale.device)
-        elif len(flags) == 1:
-            combined = flags[0]
-        else:
-            combined = torch.stack(flags).amax()
-        distributed.agree_on_flag_(combined, self._group(optimizer))
-        state["found_inf_per_device"] = per_device
-        state["found_inf"] = combined
-        state["optimizer"] = weakref.ref(optimizer)
-        return combined
-
-    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
-        self._check_scale_growth_tracker("_check_inf_per_device")
-        state = self._per_optimizer_states[id(optimizer)]
-        self._record_found_inf(optimizer, state, grads.check(grads.group_grads(optimizer, allow_fp16=True)))
-        return state["found_inf_per_device"]  # type: ignore[no-any-return]
-
-    def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
-        return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]  # type: ignore[no-any-return]
-
-    def _get_scale_async(self) -> torch.Tensor | None:
-        return self._scale
-
-    def _get_growth_tracker(self) -> int:
-        if not self._enabled:
-            return 0
-        return self._init_growth_tracker if self._growth_tracker is None else int(self._growth_tracker.item())
-
-    # ---------------------------------------------------------------------------------- public API
-    def scale(self, outputs: Any) -> Any:
+    def scale(self, outputs: Any) -> Any:  # type: ignore[override]
         """Multiply a tensor, or every tensor in nested lists/tuples/iterables, by the scale.
 
         Structure is preserved (lists and tuples keep their type; other iterables become ``map``
@@ -270,14 +193,13 @@ class GradScaler:
         if not self._enabled:
             return
         self._check_scale_growth_tracker("unscale_")
-        state = self._per_optimizer_states[id(optimizer)]
-        if state["stage"] is OptState.UNSCALED:
-            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
-        if state["stage"] is OptState.STEPPED:
-            raise RuntimeError("unscale_() is being called after step().")
-        groups = grads.group_grads(optimizer, allow_fp16=False)
-        self._record_found_inf(optimizer, state, grads.unscale_and_check_(groups, self._inv_scale()))
-        state["stage"] = OptState.UNSCALED
+        record = self._per_optimizer_states[id(optimizer)]
+        self._check_stage(record, "unscale_()")
+        inv_scale = self._inv_scale()
+        per_device = grads.unscale_and_check_(grads.group_grads(optimizer, allow_fp16=False), inv_scale)
+        self._record_found_inf(optimizer, record, per_device)
+        record["grads_factor"] = inv_scale
+        record["stage"] = OptState.UNSCALED
 
     def clip_grad_norm_(
         self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0
@@ -289,107 +211,130 @@ class GradScaler:
         receives ``grad_scale = S / clip_coef`` and no gradient is written; other optimizers' gradients
         are multiplied once by ``clip_coef / S``. Replaces ``unscale_`` + ``torch.nn.utils.clip_grad_norm_``.
         """
-        from gradscaler.clipping import clip_grad_norm_
-
-        return clip_grad_norm_(self, optimizer, max_norm, norm_type)
+        norm_type = clipping.check_clip_arguments(max_norm, norm_type)
+        if not self._enabled:
+            params = [p for p in grads.iter_params(optimizer) if p.grad is not None]
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+        scale, _ = self._check_scale_growth_tracker("clip_grad_norm_")
+        record = self._per_optimizer_states[id(optimizer)]
+        self._check_stage(record, "clip_grad_norm_()", allow_unscaled=True)
+        if record.get("clipped"):
+            raise RuntimeError("clip_grad_norm_() has already been called on this optimizer since the last update().")
+        unscaled = record["stage"] is OptState.UNSCALED
+        hand_off = fused.supports_amp_scaling(optimizer) and not fused.takes_grad_scaler_kwarg(optimizer)
+        owners = grads.new_groups()
+        groups = grads.group_grads(optimizer, allow_fp16=hand_off and not unscaled, owners=owners)
+        norms, flags = grads.norms_and_check(groups, norm_type)
+        if not unscaled:
+            self._record_found_inf(optimizer, record, flags)
+        group = self._agreement_group(optimizer)
+        total = distributed.reduce_norm_(clipping.total_norm(norms, norm_type, scale.device), norm_type, group)
+        inv_scale = torch.ones((), device=scale.device) if unscaled else self._inv_scale()
+        total = total * inv_scale
+        self._monitor.grad_norms[id(optimizer)] = [
+            ([p for params in owners[device].values() for p in params], device_norms, inv_scale)
+            for device, device_norms in norms.items()
+        ]
+        coef = clipping.clip_coefficient(total, max_norm)
+        if hand_off and not unscaled:
+            record["grad_scale"] = scale / coef * getattr(optimizer, "grad_scale", 1)
+        else:
+            factor = coef * inv_scale
+            clipping.scale_grads_(groups, factor)
+            record["grads_factor"] = factor * record["grads_factor"] if "grads_factor" in record else factor
+        record["stage"] = OptState.UNSCALED
+        record["clipped"] = True
+        return total
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (unless done) and run ``optimizer.step(*args, **kwargs)`` unless a gradient is non-finite.
 
-        Returns what ``optimizer.step`` returns, or None when skipped. A fused optimizer gets
-        ``grad_scale`` and ``found_inf`` and skips inside its kernel: no host sync (except one on an
-        optimizer's very first step, so a skipped first step never reaches it). Other optimizers: one
-        host sync, however many devices. Closures are refused.
+        Returns what ``optimizer.step`` returns, or None when skipped. ``optimizer.step`` is called on
+        exactly the iterations torch's scaler calls it: a fused optimizer always (it gets ``grad_scale``
+        and ``found_inf`` and skips inside its kernel, no host sync except one on an optimizer's very
+        first step), other optimizers only when every gradient is finite (one host sync). If
+        ``optimizer.step`` raises, the gradients are scaled back and the optimizer's iteration starts
+        over, so a retry unscales exactly once. Closures are refused.
         """
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs or (args and callable(args[0])):
             raise RuntimeError(_CLOSURE_MESSAGE)
         self._check_scale_growth_tracker("step")
-        state = self._per_optimizer_states[id(optimizer)]
-        if state["stage"] is OptState.STEPPED:
+        record = self._per_optimizer_states[id(optimizer)]
+        if record["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
-        if optim.supports_amp_scaling(optimizer):
-            return self._fused_step(optimizer, state, args, kwargs)
-        if state["stage"] is OptState.READY:
-            self.unscale_(optimizer)
-        retval = None
-        if not state["found_inf"].item():
-            retval = optimizer.step(*args, **kwargs)
-        state["stage"] = OptState.STEPPED
+        try:
+            if fused.supports_amp_scaling(optimizer):
+                retval = self._fused_step(optimizer, record, args, kwargs)
+            else:
+                if record["stage"] is OptState.READY:
+                    self.unscale_(optimizer)
+                retval = None if record["found_inf"].item() else optimizer.step(*args, **kwargs)
+        except BaseException:
+            self._restart_optimizer_iteration(optimizer)
+            raise
+        record["stage"] = OptState.STEPPED
         return retval
 
     def _fused_step(
-        self, optimizer: torch.optim.Optimizer, state: dict[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+        self, optimizer: torch.optim.Optimizer, record: OptimizerRecord, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        if optim.takes_grad_scaler_kwarg(optimizer):
-            optim.warn_legacy_kwarg()
-            retval = optimizer.step(*args, **kwargs, grad_scaler=self)  # type: ignore[call-overload]
-            state["stage"] = OptState.STEPPED
-            return retval
-        if state["stage"] is OptState.READY:
+        if fused.takes_grad_scaler_kwarg(optimizer):
+            fused.warn_legacy_kwarg()
+            return optimizer.step(*args, **kwargs, grad_scaler=self)  # type: ignore[call-overload]
+        if record["stage"] is OptState.READY:
             self._check_inf_per_device(optimizer)
-        found_inf = state["found_inf"]
-        if "grad_scale" in state:
-            grad_scale = state["grad_scale"]
-        elif state["stage"] is OptState.UNSCALED:
+        found_inf = record["found_inf"]
+        grad_scale: torch.Tensor | None
+        if "grad_scale" in record:
+            grad_scale = record["grad_scale"]
+        elif record["stage"] is OptState.UNSCALED:
             grad_scale = getattr(optimizer, "grad_scale", None)
         else:
             assert self._scale is not None
             grad_scale = self._scale * getattr(optimizer, "grad_scale", 1)
+        fresh = fused.params_without_state(optimizer) if fused.has_fresh_state(optimizer) else []
         optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
         optimizer.found_inf = found_inf  # type: ignore[attr-defined]
         try:
-            retval = None
-            if not (optim.has_fresh_state(optimizer) and found_inf.item()):
-                retval = optimizer.step(*args, **kwargs)
+            retval = optimizer.step(*args, **kwargs)
         finally:
             del optimizer.grad_scale  # type: ignore[attr-defined]
             del optimizer.found_inf  # type: ignore[attr-defined]
-        state["stage"] = OptState.STEPPED
+        if fresh and found_inf.item():  # the one host read, on a parameter's first step only
+            fused.forget_new_state(optimizer, fresh)
         return retval
 
     def update(self, new_scale: float | int | torch.Tensor | None = None) -> None:
         """Update the scale by the rule in the class docstring, or set it to ``new_scale``.
 
         No host sync. Call once per iteration, after ``step`` for every optimizer. ``new_scale`` is a
-        positive float or int, or a 1-element float tensor on the scaler's device type.
+        positive float or int, or a 1-element float tensor on the scaler's device type. The iteration
+        is over once the scale has moved: an error from a logger or the collapse check raised here
+        leaves a scaler ready for the next iteration.
         """
         if not self._enabled:
             return
         scale, growth_tracker = self._check_scale_growth_tracker("update")
         if new_scale is not None:
             self._set_scale(scale, new_scale)
-        else:
-            flags = [s["found_inf"] for s in self._per_optimizer_states.values() if "found_inf" in s]
-            if not flags:
-                raise AssertionError("No inf checks were recorded prior to update.")
-            found = flags[0] if len(flags) == 1 else torch.stack(flags).amax()
-            before = scale.clone()
-            assert self._hysteresis_tracker is not None and self._telemetry is not None
-            rule.update_scale_(scale, growth_tracker, self._hysteresis_tracker, found, self._rule)
-            self._telemetry.record_(found, before, scale, self._rule.lower)
-            self._steps += 1
-            self._last_found_inf = found
-            self._last_optimizers = [s["optimizer"] for s in self._per_optimizer_states.values() if "optimizer" in s]
-            self._after_update()
+            self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+            return
+        records = list(self._per_optimizer_states.values())
+        flags = [r["found_inf"] for r in records if "found_inf" in r]
+        if not flags:
+            raise AssertionError("No inf checks were recorded prior to update.")
+        found = grads.combine_flags(flags)
+        before = scale.clone()
+        assert self._hysteresis_tracker is not None and self._telemetry is not None
+        rule.update_scale_(scale, growth_tracker, self._hysteresis_tracker, found, self._rule)
+        self._telemetry.record_(found, before, scale, self._rule.lower)
+        self._last_found_inf = found
+        self._monitor.record_update([r["optimizer"] for r in records if "optimizer" in r])
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
-
-    def _set_scale(self, scale: torch.Tensor, new_scale: Any) -> None:
-        if isinstance(new_scale, torch.Tensor):
-            if new_scale.device.type != self._device or new_scale.numel() != 1 or new_scale.requires_grad:
-                raise AssertionError(_NEW_SCALE_REASON)
-            scale.copy_(new_scale.reshape(()))
-            torch.nan_to_num_(scale, nan=self._rule.lower)
-        else:
-            scale.fill_(_positive_finite("new_scale", new_scale))
-        rule.clamp_scale_(scale, self._rule)
-
-    def _after_update(self) -> None:
-        """Non-blocking host work: loggers and collapse detection on the counters that have landed."""
-        from gradscaler import monitor
-
-        monitor.after_update(self)
+        if self._monitor.wants_counters:
+            self._monitor.after_update(self._telemetry.landed())
 
     def get_scale(self) -> float:
         """The current scale as a Python float (1.0 when disabled). Syncs with the device."""
@@ -402,24 +347,24 @@ class GradScaler:
         return self._rule.growth_factor
 
     def set_growth_factor(self, new_factor: float) -> None:
-        """Set the growth factor (> 1)."""
-        self._set_rule(growth_factor=new_factor)
+        """Set the growth factor (a finite number > 1; ``ValueError`` otherwise, nothing changed)."""
+        self._rule = self._rule.with_changes(growth_factor=new_factor)
 
     def get_backoff_factor(self) -> float:
         """The factor applied to the scale after an overflow."""
         return self._rule.backoff_factor
 
     def set_backoff_factor(self, new_factor: float) -> None:
-        """Set the backoff factor (< 1)."""
-        self._set_rule(backoff_factor=new_factor)
+        """Set the backoff factor (a number in (0, 1); ``ValueError`` otherwise, nothing changed)."""
+        self._rule = self._rule.with_changes(backoff_factor=new_factor)
 
     def get_growth_interval(self) -> int:
         """The number of consecutive clean steps before the scale grows."""
         return self._rule.growth_interval
 
     def set_growth_interval(self, new_interval: int) -> None:
-        """Set the growth interval."""
-        self._set_rule(growth_interval=new_interval)
+        """Set the growth interval (an int >= 1; ``ValueError`` otherwise, nothing changed)."""
+        self._rule = self._rule.with_changes(growth_interval=new_interval)
 
     def is_enabled(self) -> bool:
         """Whether this scaler scales (False after ``enabled=False`` or CUDA missing)."""
@@ -439,11 +384,15 @@ class GradScaler:
     def stats(self) -> dict[str, Any]:
         """``scale``, ``steps``, ``skipped_steps``, ``consecutive_skips``, ``growths``, ``backoffs``, ...
 
-        Reads the device (one sync). For a per-step logger without syncs, see ``add_logger``.
+        Also ``collapse_run``, ``growth_tracker`` and ``hysteresis_tracker``. Reads the device (one
+        sync). For a per-step logger without syncs, see ``add_logger``.
         """
-        from gradscaler import monitor
-
-        return monitor.stats(self)
+        snapshot = self._snapshot()
+        out: dict[str, Any] = {"scale": snapshot.scale, "steps": snapshot.steps}
+        out.update(zip(COUNTERS, snapshot.counters, strict=True))
+        out["growth_tracker"] = snapshot.growth_tracker
+        out["hysteresis_tracker"] = snapshot.hysteresis_tracker
+        return out
 
     def history(self) -> dict[str, list[Any]]:
         """The last ``history`` scales (after each update) and skip flags, oldest first. Syncs."""
@@ -458,11 +407,7 @@ class GradScaler:
         No sync: the numbers are those of the latest update whose copy has landed (on CUDA usually
         the previous step). ``gradscaler.JsonLinesLogger(path)`` writes them as JSON lines.
         """
-        if not callable(callback):
-            raise TypeError(f"callback must be callable, got {type(callback).__name__}.")
-        if not isinstance(every, int) or every < 1:
-            raise ValueError(f"every must be an int >= 1, got {every!r}.")
-        self._loggers.append((callback, every))
+        self._monitor.add_logger(callback, every)
 
     def nonfinite_parameters(self) -> list[str]:
         """Names of the parameters whose current gradients hold inf or NaN (one sync).
@@ -470,9 +415,7 @@ class GradScaler:
         Call after a skipped step and before ``zero_grad``. Names come from ``name_parameters``;
         unnamed parameters are given as ``param_groups[i][j]`` with their shape.
         """
-        from gradscaler import monitor
-
-        return monitor.nonfinite_parameters(self)
+        return self._monitor.nonfinite_parameters()
 
     def last_grad_norms(self) -> dict[str, float]:
         """Per-parameter unscaled gradient norms from each optimizer's last ``clip_grad_norm_`` (one sync).
@@ -480,49 +423,194 @@ class GradScaler:
         Kept on the device from the clipping pass itself (nothing is re-read); names as in
         ``nonfinite_parameters``. Empty before the first ``clip_grad_norm_``.
         """
-        from gradscaler import monitor
-
-        return monitor.last_grad_norms(self)
+        return self._monitor.last_grad_norms()
 
     def name_parameters(self, named: Any) -> None:
         """Tell the scaler parameter names for overflow reports: a module or ``named_parameters()``."""
-        pairs = named.named_parameters() if isinstance(named, torch.nn.Module) else named
-        self._param_names.update({id(p): name for name, p in pairs})
+        self._monitor.name_parameters(named.named_parameters() if isinstance(named, torch.nn.Module) else named)
 
     def state_dict(self) -> dict[str, Any]:
-        """torch's five entries plus this scaler's policy, trackers and counters; plain Python numbers."""
-        from gradscaler.checkpoint import state_dict
-
-        return state_dict(self)
+        """torch's five entries plus this scaler's policy, trackers and counters; plain Python values."""
+        if not self._enabled:
+            return {}
+        return checkpoint.build_state_dict(self._snapshot())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a dict from ``state_dict()`` (ours or torch's); validates all before changing anything."""
-        from gradscaler.checkpoint import load_state_dict
-
-        load_state_dict(self, state_dict)
+        if not self._enabled:
+            return
+        if isinstance(state_dict, dict) and len(state_dict) == 0:
+            raise RuntimeError(
+                "The source state dict is empty, possibly because it was saved from a disabled instance of GradScaler."
+            )
+        loaded = checkpoint.parse_state_dict(state_dict, self._rule)
+        self._rule = loaded.rule
+        self._init_scale = loaded.scale
+        self._init_growth_tracker = loaded.growth_tracker
+        self._init_hysteresis_tracker = loaded.hysteresis_tracker
+        self._init_counters = loaded.counters
+        self._monitor.steps = loaded.steps
+        if self._scale is not None:
+            self._scale.fill_(loaded.scale)
+        if self._growth_tracker is not None:
+            self._growth_tracker.fill_(loaded.growth_tracker)
+        if self._hysteresis_tracker is not None:
+            self._hysteresis_tracker.fill_(loaded.hysteresis_tracker)
+        if self._telemetry is not None:
+            self._telemetry.counters.copy_(self._telemetry.counters.new_tensor(loaded.counters))
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         if self._enabled:
             if len(self._per_optimizer_states) != 0:
-                raise AssertionError(
-                    "A GradScaler instance may only be pickled at the beginning "
-                    "of an iteration, or at the end after scaler.update()."
-                )
-            state["_init_scale"] = self.get_scale()
-            state["_init_growth_tracker"] = self._get_growth_tracker()
-            if self._hysteresis_tracker is not None:
-                state["_init_hysteresis_tracker"] = int(self._hysteresis_tracker.item())
-            if self._telemetry is not None:
-                state["_init_counters"] = list(self._telemetry.read().values())
+                raise AssertionError(_PICKLE_MESSAGE)
+            snapshot = self._snapshot()
+            state["_init_scale"] = snapshot.scale
+            state["_init_growth_tracker"] = snapshot.growth_tracker
+            state["_init_hysteresis_tracker"] = snapshot.hysteresis_tracker
+            state["_init_counters"] = snapshot.counters
             for name in ("_scale", "_growth_tracker", "_hysteresis_tracker", "_telemetry", "_last_found_inf"):
                 state[name] = None
-        state["_last_optimizers"] = []
-        state["_param_names"] = {}
-        state["_process_group"] = None
-        state["_loggers"] = []
-        state["_grad_norms"] = {}
+        state["_process_group"] = None  # a process group belongs to this process
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> GradScaler:
+        """A copy at an iteration boundary that keeps ``process_group``, loggers and parameter names."""
+        state = copy.deepcopy(self.__getstate__(), memo)
+        state["_process_group"] = self._process_group
+        new = type(self).__new__(type(self))
+        new.__setstate__(state)
+        return new
+
+    def _snapshot(self) -> checkpoint.ScalerState:
+        """The scale, trackers and counters as host values (syncs when they live on a device)."""
+        if self._telemetry is None or self._hysteresis_tracker is None:
+            hysteresis, counters = self._init_hysteresis_tracker, list(self._init_counters)
+        else:
+            hysteresis, counters = int(self._hysteresis_tracker.item()), list(self._telemetry.read().values())
+        return checkpoint.ScalerState(
+            self._rule, self.get_scale(), self._get_growth_tracker(), hysteresis, counters, self._monitor.steps
+        )
+
+    def _check_stage(self, record: OptimizerRecord, call: str, allow_unscaled: bool = False) -> None:
+        if record["stage"] is OptState.UNSCALED and not allow_unscaled:
+            raise RuntimeError(f"{call} has already been called on this optimizer since the last update().")
+        if record["stage"] is OptState.STEPPED:
+            raise RuntimeError(f"{call} is being called after step().")
+
+    def _inv_scale(self) -> torch.Tensor:
+        scale, _ = self._check_scale_growth_tracker("unscale_")
+        return scale.double().reciprocal().float()
+
+    def _set_scale(self, scale: torch.Tensor, new_scale: Any) -> None:
+        if isinstance(new_scale, torch.Tensor):
+            if new_scale.device.type != self._device or new_scale.numel() != 1 or new_scale.requires_grad:
+                raise AssertionError(_NEW_SCALE_REASON)
+            scale.copy_(new_scale.reshape(()))
+            torch.nan_to_num_(scale, nan=self._rule.lower)  # no host read to refuse a NaN tensor: use the floor
+        else:
+            scale.fill_(rule.positive_finite("new_scale", new_scale))
+        rule.clamp_scale_(scale, self._rule)
+
+    def _agreement_group(self, optimizer: torch.optim.Optimizer) -> Any | None:
+        """The group whose ranks must agree on this optimizer's flag and norm (None: this process alone)."""
+        params = grads.iter_params(optimizer)
+        return distributed.agreement_group((p.grad for p in params if p.grad is not None), self._process_group)
+
+    def _record_found_inf(
+        self, optimizer: torch.optim.Optimizer, record: OptimizerRecord, per_device: dict[torch.device, torch.Tensor]
+    ) -> torch.Tensor:
+        """Store the per-device flags and their agreed combination (on the scale's device, all ranks)."""
+        scale, _ = self._check_scale_growth_tracker("step")
+        flags = [flag.to(scale.device, non_blocking=True) for flag in per_device.values()]
+        combined = grads.combine_flags(flags) if flags else torch.zeros((), dtype=torch.float32, device=scale.device)
+        distributed.agree_on_flag_(combined, self._agreement_group(optimizer))
+        record["found_inf_per_device"] = per_device
+        record["found_inf"] = combined
+        record["optimizer"] = weakref.ref(optimizer)
+        return combined
+
+    def _restart_optimizer_iteration(self, optimizer: torch.optim.Optimizer) -> None:
+        """Undo this iteration's in-place unscaling of ``optimizer``'s gradients and forget its record."""
+        record = self._per_optimizer_states.pop(id(optimizer), None)
+        if record is not None and "grads_factor" in record:
+            with torch.no_grad():
+                clipping.scale_grads_(
+                    grads.group_grads(optimizer, allow_fp16=True), record["grads_factor"].reciprocal()
+                )
+
+    # torch's private surface, with torch's meaning: Accelerate, Lightning, timm, FSDP's
+    # ShardedGradScaler and torch's own tests read or call these names.
+    @property
+    def _growth_factor(self) -> float:
+        return self._rule.growth_factor
+
+    @_growth_factor.setter
+    def _growth_factor(self, value: float) -> None:
+        self._rule = self._rule.with_changes(growth_factor=value)
+
+    @property
+    def _backoff_factor(self) -> float:
+        return self._rule.backoff_factor
+
+    @_backoff_factor.setter
+    def _backoff_factor(self, value: float) -> None:
+        self._rule = self._rule.with_changes(backoff_factor=value)
+
+    @property
+    def _growth_interval(self) -> int:
+        return self._rule.growth_interval
+
+    @_growth_interval.setter
+    def _growth_interval(self, value: int) -> None:
+        self._rule = self._rule.with_changes(growth_interval=value)
+
+    def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
+        fix = "This may indicate your script did not use scaler.scale(loss or outputs) earlier in the iteration."
+        if self._scale is None:
+            raise AssertionError(f"Attempted {funcname} but _scale is None.  " + fix)
+        if self._growth_tracker is None:
+            raise AssertionError(f"Attempted {funcname} but _growth_tracker is None.  " + fix)
+        return self._scale, self._growth_tracker
+
+    def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
+        if self._growth_tracker is not None:
+            raise AssertionError("_growth_tracker initialized before _scale")
+        self._scale = torch.full((), self._init_scale, dtype=torch.float32, device=dev)
+        self._growth_tracker = torch.full((), self._init_growth_tracker, dtype=torch.int32, device=dev)
+        self._hysteresis_tracker = torch.full((), self._init_hysteresis_tracker, dtype=torch.int32, device=dev)
+        self._telemetry = Telemetry(self._scale.device, self._history, self._init_counters)
+
+    def _unscale_grads_(
+        self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
+    ) -> dict[torch.device, torch.Tensor]:
+        """torch's: multiply the gradients by ``inv_scale`` in place; per-device flags seeded from ``found_inf``."""
+        return grads.unscale_and_check_(grads.group_grads(optimizer, allow_fp16=allow_fp16), inv_scale, found_inf)
+
+    def _maybe_opt_step(
+        self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any], *args: Any, **kwargs: Any
+    ) -> Any:
+        """torch's: ``optimizer.step`` unless a recorded per-device flag is nonzero (one sync per device)."""
+        if not sum(v.item() for v in optimizer_state["found_inf_per_device"].values()):
+            return optimizer.step(*args, **kwargs)
+        return None
+
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:  # type: ignore[override]
+        self._check_scale_growth_tracker("_check_inf_per_device")
+        record = self._per_optimizer_states[id(optimizer)]
+        self._record_found_inf(optimizer, record, grads.nonfinite_flags(grads.group_grads(optimizer, allow_fp16=True)))
+        return record["found_inf_per_device"]
+
+    def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:  # type: ignore[override]
+        return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+
+    def _get_scale_async(self) -> torch.Tensor | None:
+        return self._scale
+
+    def _get_growth_tracker(self) -> int:
+        if not self._enabled:
+            return 0
+        return self._init_growth_tracker if self._growth_tracker is None else int(self._growth_tracker.item())

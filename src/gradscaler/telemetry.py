@@ -22,7 +22,7 @@ class Telemetry:
 
     ``counters`` (int64): skipped steps, consecutive skips, growths, backoffs, and consecutive
     overflows at the minimum scale (``collapse_run``). ``scale_history`` / ``skip_history`` hold the
-    last ``history`` steps in a ring indexed by the host's step count.
+    last ``history`` steps in a ring; ``cursor`` (a device tensor) counts the records written.
     """
 
     def __init__(self, device: torch.device, history: int, counters: list[int] | None = None) -> None:
@@ -30,7 +30,7 @@ class Telemetry:
         self.counters = torch.tensor(counters or [0] * len(COUNTERS), dtype=torch.int64, device=device)
         self.scale_history = torch.full((history,), float("nan"), dtype=torch.float32, device=device)
         self.skip_history = torch.zeros(history, dtype=torch.bool, device=device)
-        self.step = torch.zeros(1, dtype=torch.int64, device=device)  # ring position, graph-safe
+        self.cursor = torch.zeros(1, dtype=torch.int64, device=device)  # next ring slot (a device tensor: graph-safe)
         pin = device.type == "cuda"
         self._mirror = torch.zeros(len(COUNTERS), dtype=torch.int64, pin_memory=pin)
         self._scale_mirror = torch.zeros((), dtype=torch.float32, pin_memory=pin)
@@ -45,10 +45,10 @@ class Telemetry:
             [torch.ones_like(skipped), skipped, torch.ones_like(skipped), torch.ones_like(skipped), at_floor]
         ).long()
         self.counters.add_(inc).mul_(keep).clamp_(max=SATURATE)
-        slot = self.step.remainder(self.history)
+        slot = self.cursor.remainder(self.history)
         self.scale_history.index_copy_(0, slot, after.view(1))
         self.skip_history.index_copy_(0, slot, skipped.view(1))
-        self.step.add_(1)
+        self.cursor.add_(1)
         if self.counters.is_cuda and torch.cuda.is_current_stream_capturing():
             return  # under CUDA-graph capture the counters stay on the device: read them with stats()
         self._mirror.copy_(self.counters, non_blocking=True)
@@ -73,7 +73,7 @@ class Telemetry:
 
     def histories(self) -> tuple[list[float], list[bool]]:
         """Scale and skip flag of the last ``min(steps, history)`` steps, oldest first (syncs)."""
-        steps = int(self.step.tolist()[0])
+        steps = int(self.cursor.tolist()[0])
         count = min(steps, self.history)
         order = [(steps - count + i) % self.history for i in range(count)]
         index = torch.tensor(order, dtype=torch.long, device=self.scale_history.device)

@@ -22,6 +22,7 @@ LEGACY_KWARG_WARNING = (
     "`found_inf: Tensor` to the passed optimizer and let the optimizer use them directly."
 )
 
+# One entry per distinct optimizer class's ``step`` function: bounded by the classes a program defines.
 _LEGACY_CACHE: dict[Any, bool] = {}
 
 
@@ -49,10 +50,26 @@ def has_fresh_state(optimizer: torch.optim.Optimizer) -> bool:
     """Whether some parameter with a gradient has no optimizer state yet (its first step is next).
 
     A fused step that is skipped on a parameter's first step still lets the optimizer create state,
-    and torch's fused SGD leaves that state (momentum buffers) uninitialised. The scaler keeps such a
-    step from reaching the optimizer at all.
+    and torch's fused SGD leaves that state (momentum buffers) uninitialised. See ``forget_new_state``.
     """
     state = optimizer.state
     if len(state) >= sum(len(group["params"]) for group in optimizer.param_groups):
         return any(not s for s in state.values())  # every parameter has an entry: O(params) only if one is empty
     return any(p.grad is not None and not state.get(p) for p in iter_params(optimizer))
+
+
+def params_without_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The parameters with a gradient that have no optimizer state yet."""
+    state = optimizer.state
+    return [p for p in iter_params(optimizer) if p.grad is not None and not state.get(p)]
+
+
+def forget_new_state(optimizer: torch.optim.Optimizer, fresh: list[torch.Tensor]) -> None:
+    """Drop the state a skipped step created for ``fresh`` parameters, as if it had never run.
+
+    Their next real step then initialises state from scratch, whatever the skipped kernel left
+    behind (torch's fused SGD allocates momentum buffers uninitialised and returns early on
+    ``found_inf``; reading them later corrupts the weights).
+    """
+    for param in fresh:
+        optimizer.state.pop(param, None)

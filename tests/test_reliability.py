@@ -1,0 +1,191 @@
+"""Promises that hold under misuse: failed steps, failing callbacks, odd checkpoints, copies.
+
+Each test here reproduces a defect found by attacking 0.1.0 (issue 13's D-numbers), and failed on it.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from gradscaler import GradScaler, ScaleCollapseError
+from gradscaler.rule import SCALE_FLOOR
+from helpers import make_optimizer
+
+
+def tiny(mode: str = "foreach", init_scale: float = 2.0**10) -> tuple[nn.Module, torch.optim.Optimizer, GradScaler]:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    return model, make_optimizer("adamw", mode, model.parameters()), GradScaler("cpu", init_scale=init_scale)
+
+
+def backward(model: nn.Module, scaler: GradScaler, seed: int = 0) -> None:
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(seed))
+    scaler.scale(model(x).square().mean()).backward()
+
+
+class FailOnce:
+    """Wraps ``optimizer.step`` so that its first call raises."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer, self.real, self.failed = optimizer, optimizer.step, False
+        optimizer.step = self  # type: ignore[method-assign]
+
+    def __call__(self, *args, **kwargs):
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("optimizer failed")
+        return self.real(*args, **kwargs)
+
+
+def reference_weights(mode: str, clip: bool) -> torch.Tensor:
+    model, opt, scaler = tiny(mode)
+    opt.zero_grad()
+    backward(model, scaler, seed=1)
+    if clip:
+        scaler.clip_grad_norm_(opt, 1.0)
+    scaler.step(opt)
+    scaler.update()
+    return model.weight.detach().clone()
+
+
+@pytest.mark.parametrize("mode", ["foreach", "fused"])
+@pytest.mark.parametrize("clip", [False, True], ids=["noclip", "clip"])
+@pytest.mark.parametrize("retry", ["new_backward", "same_gradients"])
+def test_a_retry_after_optimizer_step_raised_unscales_exactly_once(mode: str, clip: bool, retry: str) -> None:
+    model, opt, scaler = tiny(mode)
+    FailOnce(opt)
+    backward(model, scaler, seed=0 if retry == "new_backward" else 1)
+    if clip:
+        scaler.clip_grad_norm_(opt, 1.0)
+    else:
+        scaler.unscale_(opt)
+    with pytest.raises(RuntimeError, match="optimizer failed"):
+        scaler.step(opt)
+    if retry == "new_backward":  # the user's loop: zero the gradients and run the iteration again
+        opt.zero_grad()
+        backward(model, scaler, seed=1)
+    if clip:
+        scaler.clip_grad_norm_(opt, 1.0)
+    scaler.step(opt)
+    scaler.update()
+    assert torch.equal(model.weight, reference_weights(mode, clip))
+
+
+def test_an_error_raised_inside_update_leaves_a_scaler_that_goes_on() -> None:
+    model, opt, scaler = tiny()
+    calls = []
+
+    def failing_logger(record: dict) -> None:
+        calls.append(record)
+        raise OSError("disk full")
+
+    scaler.add_logger(failing_logger)
+    backward(model, scaler)
+    scaler.step(opt)
+    with pytest.raises(OSError, match="disk full"):
+        scaler.update()
+    assert len(scaler._per_optimizer_states) == 0  # the iteration ended with the update
+    copy.deepcopy(scaler)
+    backward(model, scaler)
+    scaler.step(opt)
+    with pytest.raises(OSError):
+        scaler.update()
+    assert scaler.stats()["steps"] == 2 and len(calls) == 2
+
+
+def test_a_caught_collapse_error_does_not_apply_the_rule_twice() -> None:
+    model, opt, scaler = tiny(init_scale=SCALE_FLOOR)
+    scaler = GradScaler("cpu", init_scale=SCALE_FLOOR, collapse_patience=1)
+    scales = []
+    for _ in range(3):
+        opt.zero_grad()
+        backward(model, scaler)
+        model.weight.grad[0, 0] = float("inf")
+        scaler.step(opt)
+        try:
+            scaler.update()
+        except ScaleCollapseError:
+            pass
+        scales.append(scaler.get_scale())
+    assert scales == [SCALE_FLOOR] * 3 and scaler.stats()["skipped_steps"] == 3
+
+
+def test_deepcopy_keeps_the_process_group_loggers_and_names() -> None:
+    group = object()  # stands for a ProcessGroup: deepcopy must share it, not copy it
+    scaler = GradScaler("cpu", process_group=group)
+    scaler.add_logger(print)
+    model = nn.Linear(2, 2)
+    scaler.name_parameters(model)
+    clone = copy.deepcopy(scaler)
+    assert clone._process_group is group
+    assert clone._monitor.loggers == scaler._monitor.loggers
+    assert clone._monitor.param_names == scaler._monitor.param_names
+
+
+@pytest.mark.parametrize("scale", [1e-45, 1e-40, 1e-300])
+def test_a_tiny_loaded_scale_never_reaches_the_run(scale: float) -> None:
+    model, opt, scaler = tiny()
+    scaler.load_state_dict({**scaler.state_dict(), "scale": scale})
+    assert scaler.get_scale() == SCALE_FLOOR
+    backward(model, scaler)
+    scaler.step(opt)
+    scaler.update()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_refused_state_dict_leaves_a_used_scaler_unchanged() -> None:
+    model, opt, scaler = tiny()
+    backward(model, scaler)
+    scaler.step(opt)
+    scaler.update()
+    before = scaler.state_dict()
+    for bad in ({"_growth_tracker": 2**31}, {"skipped_steps": 2**63}, {"scale": 1e300}, {"_hysteresis_tracker": 1000}):
+        with pytest.raises(ValueError):
+            scaler.load_state_dict({**before, **bad})
+        assert scaler.state_dict() == before
+
+
+def test_every_method_of_torchs_class_is_overridden() -> None:
+    """isinstance(ours, torch.amp.GradScaler) holds, but none of torch's code runs on our state."""
+    ours = vars(GradScaler)
+    inherited = [
+        name
+        for name, member in vars(torch.amp.GradScaler).items()
+        if (callable(member) or isinstance(member, property)) and name not in ours
+    ]
+    assert inherited == []
+    assert isinstance(GradScaler("cpu"), torch.amp.GradScaler)
+
+
+@pytest.mark.parametrize("mode", ["foreach", "fused"])
+def test_optimizer_step_is_called_on_the_same_iterations_as_with_torchs_scaler(mode: str) -> None:
+    def calls(scaler_cls: type) -> list[int]:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        opt = make_optimizer("sgd", mode, model.parameters())
+        scaler = scaler_cls("cpu", init_scale=2.0**10)
+        count = [0]
+        real = opt.step
+
+        def counted(*args, **kwargs):
+            count[0] += 1
+            return real(*args, **kwargs)
+
+        opt.step = counted  # type: ignore[method-assign]
+        per_iteration = []
+        for step in range(6):
+            opt.zero_grad()
+            backward(model, scaler, seed=step)
+            if step in (0, 1, 4):
+                model.weight.grad[0, 0] = float("inf")
+            before = count[0]
+            scaler.step(opt)
+            scaler.update()
+            per_iteration.append(count[0] - before)
+        return per_iteration
+
+    assert calls(GradScaler) == calls(torch.amp.GradScaler)
