@@ -1,5 +1,6 @@
 """gradscaler: dynamic loss scaling for float16 training, a drop-in for ``torch.amp.GradScaler``."""
 
+from gradscaler.drop_in import patch_torch, unpatch_torch
 from gradscaler.errors import ScaleCollapseError, ScaleCollapseWarning
 from gradscaler.monitor import JsonLinesLogger
 from gradscaler.scaler import GradScaler, OptState
@@ -12,4 +13,6 @@ __all__ = [
     "OptState",
     "ScaleCollapseError",
     "ScaleCollapseWarning",
+    "patch_torch",
+    "unpatch_torch",
 ]
