@@ -13,7 +13,7 @@ Accelerate and of the Trainer that runs afterwards is the CUDA path's, with auto
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -90,7 +90,10 @@ def test_accelerate_is_bit_identical_to_torchs_scaler(fused: bool, clip: bool) -
     """Skip flags Accelerate reports and the LR schedule it holds on them are part of the record.
 
     fused: needs the scaler owner's change (``optimizer.step`` called on the iterations torch calls it)."""
-    records = {name: accelerate_run(cls("cpu", **EARLY_OVERFLOW), fused=fused, clip=clip) for name, cls in SCALER_CLASSES.items()}
+    records = {
+        name: accelerate_run(cls("cpu", **EARLY_OVERFLOW), fused=fused, clip=clip)
+        for name, cls in SCALER_CLASSES.items()
+    }
     assert records["torch"].scales[0] < EARLY_OVERFLOW["init_scale"]
     assert records["torch"].scales[9] == records["torch"].scales[8] / 2
     assert_bit_identical(records["torch"], records["ours"])
@@ -222,9 +225,7 @@ def test_hf_trainer_fused_adamw_is_bit_identical_to_torchs_scaler(tmp_path: Any)
     """The acceptance case of issue 11: tiny GPT-2, adamw_torch_fused, init_scale 2**24, growth
     interval 4, 24 steps. Needs the scaler owner's change (fused optimizer called on skipped steps,
     as torch calls it): before it, the LR schedule differs from step 8 on."""
-    records = {
-        name: trainer_run(cls("cpu", **EARLY_OVERFLOW), tmp_path / name) for name, cls in SCALER_CLASSES.items()
-    }
+    records = {name: trainer_run(cls("cpu", **EARLY_OVERFLOW), tmp_path / name) for name, cls in SCALER_CLASSES.items()}
     scales = records["torch"].scales
     assert scales[0] < EARLY_OVERFLOW["init_scale"] and max(scales[8:]) > min(scales)
     assert_bit_identical(records["torch"], records["ours"])

@@ -30,7 +30,9 @@ from lightning.fabric.plugins.precision import MixedPrecision as FabricMixedPrec
 from lightning.pytorch.plugins.precision import MixedPrecision as TrainerMixedPrecision  # noqa: E402
 
 
-def fabric_run(scaler: Any, tmp_path: Any, *, fused: bool, clip: bool, steps: int = 12, resume_at: int | None = None) -> Record:
+def fabric_run(
+    scaler: Any, tmp_path: Any, *, fused: bool, clip: bool, steps: int = 12, resume_at: int | None = None
+) -> Record:
     """A Fabric loop; at ``resume_at`` ``fabric.save`` / ``fabric.load`` of model, optimizer and scaler
     into fresh objects."""
 
@@ -76,13 +78,17 @@ def test_fabric_is_bit_identical_to_torchs_scaler_through_a_checkpoint(fused: bo
     assert records["torch"].scales[0] < EARLY_OVERFLOW["init_scale"]
     assert records["torch"].scales[9] == records["torch"].scales[8] / 2
     assert_bit_identical(records["torch"], records["ours"])
-    resumed = fabric_run(gradscaler.GradScaler("cpu", **EARLY_OVERFLOW), tmp_path / "r", fused=fused, clip=clip, resume_at=6)
+    resumed = fabric_run(
+        gradscaler.GradScaler("cpu", **EARLY_OVERFLOW), tmp_path / "r", fused=fused, clip=clip, resume_at=6
+    )
     assert_bit_identical(records["torch"], resumed)
 
 
 @pytest.mark.parametrize("cls", list(SCALER_CLASSES.values()), ids=list(SCALER_CLASSES))
 def test_trap_fabric_clip_gradients_raises_on_an_overflow_step_by_default(cls: Any) -> None:
-    fabric = lightning.Fabric(accelerator="cpu", devices=1, plugins=[FabricMixedPrecision("16-mixed", "cpu", scaler=cls("cpu"))])
+    fabric = lightning.Fabric(
+        accelerator="cpu", devices=1, plugins=[FabricMixedPrecision("16-mixed", "cpu", scaler=cls("cpu"))]
+    )
     model = mlp()
     model, optimizer = fabric.setup(model, adamw(model.parameters(), False))
     x, y = regression_batches(1)[0]
@@ -128,7 +134,8 @@ def trainer_run(scaler: Any, tmp_path: Any, *, fused: bool, clip: bool, steps: i
             return adamw(self.parameters(), fused)
 
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_steps=steps, plugins=[TrainerMixedPrecision("16-mixed", "cpu", scaler=scaler)],
+        accelerator="cpu", devices=1, max_steps=steps,
+        plugins=[TrainerMixedPrecision("16-mixed", "cpu", scaler=scaler)],
         gradient_clip_val=1.0 if clip else None, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
     )  # fmt: skip
