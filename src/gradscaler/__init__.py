@@ -3,6 +3,7 @@
 Only the names in ``__all__`` are API; module paths below this package may change between releases.
 """
 
+from gradscaler.drop_in import patch_torch, unpatch_torch
 from gradscaler.errors import ScaleCollapseError, ScaleCollapseWarning
 from gradscaler.monitor import JsonLinesLogger
 from gradscaler.scaler import GradScaler, OptState
@@ -15,4 +16,6 @@ __all__ = [
     "OptState",
     "ScaleCollapseError",
     "ScaleCollapseWarning",
+    "patch_torch",
+    "unpatch_torch",
 ]

@@ -1,0 +1,195 @@
+"""Make every spelling of torch's GradScaler build gradscaler's, for third-party code you do not edit.
+
+``patch_torch()`` replaces the class that each of these names refers to::
+
+    torch.amp.GradScaler, torch.amp.grad_scaler.GradScaler, torch.GradScaler  -> gradscaler.GradScaler
+    torch.cuda.amp.GradScaler, torch.cuda.amp.grad_scaler.GradScaler         -> CudaAmpGradScaler
+    torch.cpu.amp.GradScaler, torch.cpu.amp.grad_scaler.GradScaler           -> CpuAmpGradScaler
+
+so that a training script, Hugging Face Accelerate / Trainer, Lightning, timm's ``NativeScaler`` or
+nanoGPT's ``train.py`` builds gradscaler's scaler where it calls one of these names, with the same
+arguments. ``unpatch_torch()`` (or leaving the ``with`` block) puts torch's own classes back, the very
+same objects. Patching twice is patching once.
+
+Only calls made *while patched* are affected: a module that ran ``from torch.amp import GradScaler``
+before the patch keeps torch's class in its own namespace, and a scaler built before the patch stays
+torch's. Patch first, then import and build the training code.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+import warnings
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from gradscaler.scaler import GradScaler
+
+__all__ = ["CpuAmpGradScaler", "CudaAmpGradScaler", "TorchPatch", "is_torch_patched", "patch_torch", "unpatch_torch"]
+
+_CUDA_DEPRECATION = (
+    "`torch.cuda.amp.GradScaler(args...)` is deprecated. Please use `torch.amp.GradScaler('cuda', args...)` instead."
+)
+_CPU_DEPRECATION = (
+    "`torch.cpu.amp.GradScaler(args...)` is deprecated. Please use `torch.amp.GradScaler('cpu', args...)` instead."
+)
+
+
+class CudaAmpGradScaler(GradScaler):
+    """What ``torch.cuda.amp.GradScaler`` builds while patched: gradscaler's scaler on ``"cuda"``.
+
+    Takes torch's ``torch.cuda.amp.GradScaler`` arguments (no device) and warns torch's
+    ``FutureWarning`` about that spelling, as torch does; gradscaler's keyword-only options
+    (``hysteresis=``, ``min_scale=``, ...) are accepted too. Without CUDA it warns and disables itself,
+    as torch's does.
+    """
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        **options: Any,
+    ) -> None:
+        warnings.warn(_CUDA_DEPRECATION, FutureWarning, stacklevel=2)
+        super().__init__("cuda", init_scale, growth_factor, backoff_factor, growth_interval, enabled, **options)
+
+
+class CpuAmpGradScaler(GradScaler):
+    """What ``torch.cpu.amp.GradScaler`` builds while patched: gradscaler's scaler on ``"cpu"``.
+
+    Takes torch's ``torch.cpu.amp.GradScaler`` arguments (no device) and warns torch's
+    ``FutureWarning`` about that spelling; gradscaler's keyword-only options are accepted too.
+    """
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        **options: Any,
+    ) -> None:
+        warnings.warn(_CPU_DEPRECATION, FutureWarning, stacklevel=2)
+        super().__init__("cpu", init_scale, growth_factor, backoff_factor, growth_interval, enabled, **options)
+
+
+# (module, attribute, replacement): every place torch binds a GradScaler class under a public name.
+_SPELLINGS: tuple[tuple[str, str, type], ...] = (
+    ("torch", "GradScaler", GradScaler),
+    ("torch.amp", "GradScaler", GradScaler),
+    ("torch.amp.grad_scaler", "GradScaler", GradScaler),
+    ("torch.cuda.amp", "GradScaler", CudaAmpGradScaler),
+    ("torch.cuda.amp.grad_scaler", "GradScaler", CudaAmpGradScaler),
+    ("torch.cpu.amp", "GradScaler", CpuAmpGradScaler),
+    ("torch.cpu.amp.grad_scaler", "GradScaler", CpuAmpGradScaler),
+)
+# torch modules that subclass torch's GradScaler when first imported: imported before patching so that
+# they subclass torch's class, not ours.
+_SUBCLASSING_MODULES = ("torch.distributed.fsdp.sharded_grad_scaler",)
+
+_lock = threading.Lock()
+_originals: dict[tuple[str, str], Any] | None = None
+
+
+def _spellings() -> list[tuple[Any, str, str, type]]:
+    found = []
+    for module_name, attr, replacement in _SPELLINGS:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:  # pragma: no cover - a torch build without that module
+            continue
+        if hasattr(module, attr):  # torch.GradScaler exists from torch 2.3 on
+            found.append((module, module_name, attr, replacement))
+    return found
+
+
+class TorchPatch:
+    """The handle ``patch_torch()`` returns: a context manager, and ``undo()``.
+
+    Leaving the ``with`` block (or ``undo()``) restores torch's classes only if this handle's call
+    applied the patch: in ``with patch_torch(): ... with patch_torch(): ...`` the inner block changes
+    nothing on entry or exit, and the outer one restores torch on exit.
+    """
+
+    def __init__(self, applied: bool) -> None:
+        self._applied = applied
+
+    @property
+    def applied(self) -> bool:
+        """Whether this call installed the patch (False when torch was already patched)."""
+        return self._applied
+
+    def undo(self) -> None:
+        """Restore torch's classes if this handle installed the patch (and it is still installed)."""
+        if self._applied:
+            self._applied = False
+            unpatch_torch()
+
+    def __enter__(self) -> TorchPatch:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.undo()
+
+
+def patch_torch() -> TorchPatch:
+    """Make ``torch.amp.GradScaler`` and its other spellings build gradscaler's scaler, until undone.
+
+    ``torch.amp.GradScaler``, ``torch.amp.grad_scaler.GradScaler`` and ``torch.GradScaler`` become
+    :class:`gradscaler.GradScaler` (same constructor: ``device`` first); ``torch.cuda.amp.GradScaler``
+    becomes :class:`CudaAmpGradScaler` and ``torch.cpu.amp.GradScaler`` :class:`CpuAmpGradScaler`
+    (torch's device-less constructors and deprecation warnings). Returns a :class:`TorchPatch`; use it
+    as a context manager, or call :func:`unpatch_torch`. Idempotent: a second call changes nothing and
+    returns a handle whose exit changes nothing. Affects scalers built after the call only.
+    """
+    global _originals
+    with _lock:
+        if _originals is not None:
+            return TorchPatch(applied=False)
+        for name in _SUBCLASSING_MODULES:
+            if torch.distributed.is_available():
+                importlib.import_module(name)
+        originals: dict[tuple[str, str], Any] = {}
+        for module, module_name, attr, replacement in _spellings():
+            originals[(module_name, attr)] = getattr(module, attr)
+            setattr(module, attr, replacement)
+        _originals = originals
+        return TorchPatch(applied=True)
+
+
+def unpatch_torch() -> None:
+    """Put torch's own GradScaler classes back under every spelling ``patch_torch`` replaced.
+
+    A no-op when not patched. A name that someone else rebound while patched is left as they set it,
+    with a ``RuntimeWarning``.
+    """
+    global _originals
+    with _lock:
+        if _originals is None:
+            return
+        replacements = {(module_name, attr): replacement for module_name, attr, replacement in _SPELLINGS}
+        for (module_name, attr), original in _originals.items():
+            module = importlib.import_module(module_name)
+            if getattr(module, attr) is replacements[(module_name, attr)]:
+                setattr(module, attr, original)
+            else:
+                warnings.warn(
+                    f"{module_name}.{attr} was rebound while gradscaler's patch was installed; left as it is.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        _originals = None
+
+
+def is_torch_patched() -> bool:
+    """Whether ``patch_torch()`` is in effect."""
+    return _originals is not None

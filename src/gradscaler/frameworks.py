@@ -1,0 +1,119 @@
+"""Opt-in: tell Hugging Face Accelerate (and so the Trainer) which optimizer steps were really skipped.
+
+Accelerate decides ``AcceleratedOptimizer.step_was_skipped`` by whether ``scaler.step`` called
+``optimizer.step``. With a fused optimizer (``fused=True``; the Trainer's default ``adamw_torch_fused``)
+torch's scaler, and gradscaler's, always call it and the kernel skips the update itself, so Accelerate
+reports False on every step and the Trainer advances its LR schedule on skipped steps too. That is
+torch's behaviour and it stays the default.
+
+``report_skipped_steps(optimizer_or_accelerator)`` and ``SkippedStepsCallback`` (for the Trainer) make
+``step_was_skipped`` say what ``GradScaler.last_step_skipped()`` says: whether the iteration's
+``update()`` saw a non-finite gradient. The price is one host read of the overflow flag per optimizer
+step (``last_step_skipped()`` syncs with the device), and a run that is no longer the same as one with
+torch's scaler whenever a step is skipped (the LR schedule no longer advances on skipped steps).
+
+Works with the scaler's public API only (``last_step_skipped``); on Accelerate's side it sets the
+attribute ``step_was_skipped`` reads (``_is_overflow``, tested against accelerate 1.15).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gradscaler.scaler import GradScaler
+
+__all__ = ["SkippedStepsCallback", "report_skipped_steps"]  # noqa: F822 (SkippedStepsCallback: module __getattr__)
+
+
+def _scaler_of(optimizer: Any) -> GradScaler:
+    scaler = getattr(optimizer, "scaler", None)
+    if not isinstance(scaler, GradScaler):
+        raise TypeError(
+            "report_skipped_steps needs an accelerate AcceleratedOptimizer prepared with gradscaler's GradScaler "
+            f"(set `accelerator.scaler = gradscaler.GradScaler(...)` before `prepare`); its scaler is {scaler!r}."
+        )
+    return scaler
+
+
+def _tell(optimizer: Any) -> None:
+    """Set the Accelerate optimizer's skip flag from its scaler's last update (one host read)."""
+    if optimizer.gradient_state.sync_gradients:
+        optimizer._is_overflow = _scaler_of(optimizer).last_step_skipped()
+
+
+class _TruthfulStep:
+    """Stands in for an AcceleratedOptimizer's ``step``: the original step, then the true skip flag.
+
+    A plain picklable object (not a closure), so that a patched optimizer still pickles.
+    """
+
+    def __init__(self, optimizer: Any, previous: Any | None) -> None:
+        self.optimizer = optimizer
+        self.previous = previous  # an instance-level step someone installed before us, or None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.previous is not None:
+            retval = self.previous(*args, **kwargs)
+        else:
+            retval = type(self.optimizer).step(self.optimizer, *args, **kwargs)
+        _tell(self.optimizer)
+        return retval
+
+
+def report_skipped_steps(target: Any) -> Any:
+    """Make Accelerate's ``step_was_skipped`` true to the scaler, at one host read per step. Opt-in.
+
+    ``target`` is an ``accelerate.Accelerator`` (every optimizer it has prepared so far) or one
+    ``AcceleratedOptimizer``; their scaler must be gradscaler's :class:`~gradscaler.GradScaler` (set
+    ``accelerator.scaler`` before ``prepare``). After each synchronising ``optimizer.step()`` the
+    optimizer's ``step_was_skipped`` (and ``accelerator.optimizer_step_was_skipped``) is
+    ``scaler.last_step_skipped()``. Idempotent; returns ``target``.
+
+    Usage::
+
+        model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+        report_skipped_steps(accelerator)   # scheduler.step() now holds on skipped steps
+    """
+    optimizers = target._optimizers if hasattr(target, "_optimizers") and hasattr(target, "prepare") else [target]
+    for optimizer in optimizers:
+        _scaler_of(optimizer)
+        current = optimizer.__dict__.get("step")
+        if isinstance(current, _TruthfulStep):
+            continue
+        optimizer.step = _TruthfulStep(optimizer, current)
+    return target
+
+
+_callback_class: type | None = None
+
+
+def _make_callback_class() -> type:
+    from transformers import TrainerCallback
+
+    class SkippedStepsCallback(TrainerCallback):  # type: ignore[misc]
+        """HF Trainer callback: the LR schedule holds on steps the scaler skipped. Opt-in.
+
+        ``Trainer(..., callbacks=[SkippedStepsCallback()])``. After each optimizer step it sets
+        Accelerate's ``step_was_skipped`` from ``GradScaler.last_step_skipped()`` (one host read per
+        step), which the Trainer reads before ``lr_scheduler.step()``. Needs gradscaler's scaler in
+        ``trainer.accelerator.scaler`` before ``train()``.
+        """
+
+        def on_optimizer_step(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+            if optimizer is not None and getattr(optimizer, "scaler", None) is not None:
+                _tell(optimizer)
+
+    SkippedStepsCallback.__module__ = __name__
+    SkippedStepsCallback.__qualname__ = "SkippedStepsCallback"
+    return SkippedStepsCallback
+
+
+def __getattr__(name: str) -> Any:
+    # SkippedStepsCallback subclasses transformers.TrainerCallback: built on first use, so importing this
+    # module does not import transformers.
+    global _callback_class
+    if name == "SkippedStepsCallback":
+        if _callback_class is None:
+            _callback_class = _make_callback_class()
+        return _callback_class
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
