@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import copy
+import io
 import math
 import random
 import zlib
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -22,16 +24,16 @@ CONFIGS = [("sgd", "foreach"), ("adam", "fused"), ("adamw", "forloop"), ("adagra
 POLICIES = {"torch": {}, "hysteresis": {"hysteresis": 3, "min_scale": 2.0**-4, "max_scale": 2.0**20}}
 
 
-def schedule(seed: int, steps: int) -> list[list[tuple[int, float]]]:
+def schedule(seed: int, steps: int, rate: float = 0.1, burst_rate: float = 0.08) -> list[list[tuple[int, float]]]:
     """Per step, the (parameter index, value) faults to inject: bursts, single faults, clean runs."""
     rng = random.Random(seed)
     out: list[list[tuple[int, float]]] = []
     burst = 0
     for _ in range(steps):
-        if burst == 0 and rng.random() < 0.08:
+        if burst == 0 and rng.random() < burst_rate:
             burst = rng.randint(1, 6)
         faults = []
-        if burst or rng.random() < 0.1:
+        if burst or rng.random() < rate:
             faults = [(rng.randrange(6), rng.choice([math.inf, -math.inf, math.nan])) for _ in range(rng.randint(1, 2))]
             burst = max(burst - 1, 0)
         out.append(faults)
@@ -41,12 +43,15 @@ def schedule(seed: int, steps: int) -> list[list[tuple[int, float]]]:
 class Run:
     """A small model, an optimizer and a scaler that can be checkpointed and resumed."""
 
-    def __init__(self, optimizer: str, mode: str, policy: dict) -> None:
+    def __init__(
+        self, optimizer: str, mode: str, policy: dict, clip: float | None = None, init_scale: float = 2.0**10
+    ) -> None:
         torch.manual_seed(0)
         self.model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2))
         self.opt = make_optimizer(optimizer, mode, self.model.parameters())
-        self.scaler = GradScaler("cpu", init_scale=2.0**10, growth_interval=5, collapse_patience=None, **policy)
+        self.scaler = GradScaler("cpu", init_scale=init_scale, growth_interval=5, collapse_patience=None, **policy)
         self.params = list(self.model.parameters())
+        self.clip = clip
 
     def step(self, index: int, faults: list[tuple[int, float]]) -> None:
         gen = torch.Generator().manual_seed(index)
@@ -55,13 +60,19 @@ class Run:
         self.scaler.scale(nn.functional.mse_loss(self.model(x), y)).backward()
         for param_index, value in faults:
             self.params[param_index].grad.view(-1)[index % self.params[param_index].numel()] = value
+        if self.clip is not None:
+            self.scaler.clip_grad_norm_(self.opt, self.clip)
         self.scaler.step(self.opt)
         self.scaler.update()
 
     def checkpoint(self) -> dict:
-        return copy.deepcopy(
-            {"model": self.model.state_dict(), "opt": self.opt.state_dict(), "scaler": self.scaler.state_dict()}
+        """Through bytes and ``torch.load(weights_only=True)``, as a real checkpoint travels."""
+        buffer = io.BytesIO()
+        torch.save(
+            {"model": self.model.state_dict(), "opt": self.opt.state_dict(), "scaler": self.scaler.state_dict()}, buffer
         )
+        buffer.seek(0)
+        return torch.load(buffer, weights_only=True)
 
     def restore(self, ckpt: dict) -> None:
         self.model.load_state_dict(ckpt["model"])
@@ -72,10 +83,36 @@ class Run:
 @pytest.mark.parametrize("policy", list(POLICIES))
 @pytest.mark.parametrize(("optimizer", "mode"), CONFIGS, ids=[f"{o}-{m}" for o, m in CONFIGS])
 def test_invariants_under_random_faults(optimizer: str, mode: str, policy: str) -> None:
-    run = Run(optimizer, mode, POLICIES[policy])
     plan = schedule(seed=zlib.crc32(f"{optimizer}-{mode}-{policy}".encode()), steps=STEPS)
+    check_run(lambda: Run(optimizer, mode, POLICIES[policy]), plan)
+
+
+REGIMES = {
+    # name: (init_scale, fault rate, burst rate): harsh keeps most steps overflowing; floor starts at
+    # the floor, so backoffs press against 2**-126 (or min_scale) the whole run.
+    "harsh": (2.0**10, 0.6, 0.3),
+    "floor": (SCALE_FLOOR, 0.5, 0.2),
+}
+
+
+@pytest.mark.parametrize("clip", [None, 1.0], ids=["noclip", "clip"])
+@pytest.mark.parametrize("regime", list(REGIMES))
+@pytest.mark.parametrize(("optimizer", "mode"), [("adamw", "fused"), ("sgd", "foreach")], ids=["fused", "foreach"])
+def test_invariants_in_harsh_regimes(optimizer: str, mode: str, regime: str, clip: float | None) -> None:
+    init_scale, rate, burst_rate = REGIMES[regime]
+    plan = schedule(seed=zlib.crc32(f"{regime}-{mode}".encode()), steps=240, rate=rate, burst_rate=burst_rate)
+    check_run(
+        lambda: Run(optimizer, mode, POLICIES["hysteresis" if regime == "floor" else "torch"], clip, init_scale), plan
+    )
+
+
+def check_run(make: Callable[[], Run], plan: list[list[tuple[int, float]]]) -> None:
+    """Run ``plan``: skips exactly where faults are, a skip changes nothing, the scale stays in bounds,
+    and a run resumed from a mid-run checkpoint (through weights_only loading) ends bit-identical."""
+    run = make()
+    steps = len(plan)
     lower, upper = run.scaler._rule.lower, run.scaler._rule.upper
-    ckpt, mid = None, STEPS // 2
+    ckpt, mid = None, steps // 2
     consecutive = 0
     for index, faults in enumerate(plan):
         if index == mid:
@@ -95,13 +132,13 @@ def test_invariants_under_random_faults(optimizer: str, mode: str, policy: str) 
     stats = run.scaler.stats()
     assert stats["skipped_steps"] == sum(1 for f in plan if f)
     assert stats["consecutive_skips"] == consecutive
-    assert stats["steps"] == STEPS
+    assert stats["steps"] == steps
     final = [p.detach().clone() for p in run.params]
     final_stats = stats
 
-    resumed = Run(optimizer, mode, POLICIES[policy])
+    resumed = make()
     resumed.restore(ckpt)
-    for index in range(mid, STEPS):
+    for index in range(mid, steps):
         resumed.step(index, plan[index])
     for a, b in zip(final, resumed.params, strict=True):
         assert torch.equal(a, b), "a resumed run must be bit-identical to the uninterrupted one"

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import struct
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -102,6 +103,9 @@ class ScaleRule:
             strict=True,
         ):
             object.__setattr__(self, name, value)
+        # Computed once: the update path reads them every step.
+        object.__setattr__(self, "_lower", max(_float32_toward(low or 0.0, +1), SCALE_FLOOR))
+        object.__setattr__(self, "_upper", _float32_toward(min(high or FLOAT32_MAX, FLOAT32_MAX), -1))
         if self.lower > self.upper:
             raise ValueError(
                 f"min_scale ({self.min_scale!r}) and max_scale ({self.max_scale!r}) hold no float32 value between them."
@@ -120,12 +124,12 @@ class ScaleRule:
     @property
     def lower(self) -> float:
         """The smallest scale the rule produces (a float32 value: ``min_scale`` rounded up)."""
-        return max(_float32_toward(self.min_scale or 0.0, math.inf), SCALE_FLOOR)
+        return self._lower  # type: ignore[attr-defined,no-any-return]
 
     @property
     def upper(self) -> float:
         """The largest scale the rule produces (a float32 value: ``max_scale`` rounded down)."""
-        return min(_float32_toward(self.max_scale or FLOAT32_MAX, -math.inf), FLOAT32_MAX)
+        return self._upper  # type: ignore[attr-defined,no-any-return]
 
     def clamp(self, scale: float) -> float:
         """``scale`` (a finite number > 0) moved into ``[lower, upper]``."""
@@ -137,12 +141,13 @@ class ScaleRule:
         return self.hysteresis == 1
 
 
-def _float32_toward(value: float, direction: float) -> float:
-    """The float32 nearest ``value`` on the side of ``direction`` (``value`` itself when exact)."""
-    rounded = torch.tensor(value, dtype=torch.float32)
-    if (float(rounded) - value) * direction < 0:
-        rounded = torch.nextafter(rounded, torch.tensor(direction, dtype=torch.float32))
-    return float(rounded)
+def _float32_toward(value: float, direction: int) -> float:
+    """The float32 nearest ``value`` (0 <= value <= float32 max) on the side of ``direction`` (+1 or -1)."""
+    rounded: float = struct.unpack("<f", struct.pack("<f", value))[0]
+    if (rounded - value) * direction < 0:  # stepping the bits of a non-negative float moves it by one ulp
+        bits = struct.unpack("<I", struct.pack("<f", rounded))[0] + direction
+        rounded = struct.unpack("<f", struct.pack("<I", bits))[0]
+    return rounded
 
 
 def clamp_scale_(scale: torch.Tensor, rule: ScaleRule) -> torch.Tensor:
