@@ -89,8 +89,67 @@ def test_groups_by_device_and_dtype_and_check_writes_nothing() -> None:
         p.grad = torch.full_like(p, 3.0)
     b.grad[1] = float("nan")
     opt = torch.optim.SGD([a, b, c], lr=0.1)
-    groups = group_grads(opt, allow_fp16=True)
+    groups = group_grads(list(opt.param_groups[0]["params"]), allow_fp16=True)
     assert set(groups[torch.device("cpu")]) == {torch.float32, torch.float64, torch.bfloat16}
     flags = nonfinite_flags(groups)
     assert float(flags[torch.device("cpu")]) == 1.0
     assert torch.equal(a.grad, torch.full((3,), 3.0)) and float(b.grad[0]) == 3.0
+
+
+# The scaler caches each optimizer's parameter list between iterations (grads.ParamList); gradients
+# are read afresh every time. Each event below must be seen exactly as an uncached run (torch's) sees it.
+def _event_run(scaler_cls: type, event: str) -> tuple[list[float], list[torch.Tensor]]:
+    torch.manual_seed(0)
+    first, second = nn.Linear(3, 3), nn.Linear(3, 3)
+    opt = torch.optim.SGD(first.parameters(), lr=0.1, foreach=True)
+    scaler = scaler_cls("cpu", init_scale=2.0**8, growth_interval=1)
+    scales = []
+    for step in range(5):
+        opt.zero_grad(set_to_none=event != "zero_in_place")
+        x = torch.randn(2, 3, generator=torch.Generator().manual_seed(step))
+        if event == "dtype_changed" and step == 3:  # the parameters (so the gradients) become float64
+            first.double(), second.double()
+        if event == "dtype_changed" and step >= 3:
+            x = x.double()
+        loss = second(first(x)).sum() if event != "grad_appears" or step >= 2 else first(x).sum()
+        if event == "grad_appears" and step < 2:
+            second.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        if step == 2 and event == "group_added":
+            opt.add_param_group({"params": list(second.parameters())})
+        if step == 2 and event == "param_replaced":
+            opt.param_groups[0]["params"][0] = second.weight
+        if step == 2 and event == "grad_appears":
+            opt.add_param_group({"params": list(second.parameters())})
+        if step in (2, 3) and event != "dtype_changed":
+            second.weight.grad[0, 0] = float("inf")  # seen only if the cache follows the change
+        if step == 4 and event == "dtype_changed":
+            first.weight.grad[0, 0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return scales, [p.detach().clone() for p in (*first.parameters(), *second.parameters())]
+
+
+@pytest.mark.parametrize(
+    "event", ["group_added", "param_replaced", "grad_appears", "dtype_changed", "zero_in_place", "set_to_none"]
+)
+def test_cached_parameter_lists_follow_every_change(event: str) -> None:
+    ours_scales, ours_params = _event_run(GradScaler, event)
+    torch_scales, torch_params = _event_run(torch.amp.GradScaler, event)
+    assert ours_scales == torch_scales
+    for a, b in zip(ours_params, torch_params, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_param_list_rebuilds_on_identity_not_on_equality() -> None:
+    from gradscaler.grads import ParamList
+
+    a, b = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([a], lr=0.1)
+    cache = ParamList()
+    assert cache.of(opt) == [a] and cache.of(opt) is cache.of(opt)
+    opt.param_groups[0]["params"][0] = b  # equal values, another tensor
+    assert cache.of(opt)[0] is b
+    opt.add_param_group({"params": [a]})
+    assert [id(p) for p in cache.of(opt)] == [id(b), id(a)]

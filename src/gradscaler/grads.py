@@ -14,8 +14,10 @@ contribute their local shard.
 
 from __future__ import annotations
 
+import operator
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from itertools import repeat
 
 import torch
 
@@ -49,8 +51,37 @@ def iter_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
         yield from group["params"]
 
 
-def group_grads(optimizer: torch.optim.Optimizer, *, allow_fp16: bool, owners: GradGroups | None = None) -> GradGroups:
-    """The checkable views of ``optimizer``'s gradients, by device then dtype.
+class ParamList:
+    """One optimizer's parameters in param-group order, rebuilt only when its param groups change.
+
+    Valid while the optimizer has as many param groups as when it was built and each group's
+    ``params`` holds the same tensors, compared by identity (one C-level pass): a group added, a
+    parameter added, removed or replaced, or another optimizer at the same ``id`` rebuilds it.
+    Gradients are never cached: ``group_grads`` reads every ``.grad`` afresh.
+    """
+
+    def __init__(self) -> None:
+        self._groups: list[list[torch.Tensor]] = []
+        self._params: list[torch.Tensor] = []
+
+    def of(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        """The parameters of ``optimizer`` (the cached list when its groups are unchanged)."""
+        groups = optimizer.param_groups
+        cached = self._groups
+        if len(cached) != len(groups) or not all(
+            len(c) == len(g["params"]) and all(map(operator.is_, c, g["params"]))
+            for c, g in zip(cached, groups, strict=True)
+        ):
+            self._groups = [list(g["params"]) for g in groups]
+            self._params = [p for params in self._groups for p in params]
+        return self._params
+
+
+_GRAD = operator.attrgetter("grad")
+
+
+def group_grads(params: Sequence[torch.Tensor], *, allow_fp16: bool, owners: GradGroups | None = None) -> GradGroups:
+    """The checkable views of the gradients of ``params`` (those that have one), by device then dtype.
 
     ``owners``, when given, receives the parameters in the same layout (``owners[d][t][i]`` owns
     ``groups[d][t][i]``).
@@ -59,17 +90,21 @@ def group_grads(optimizer: torch.optim.Optimizer, *, allow_fp16: bool, owners: G
     May replace a sparse float16 ``.grad`` by its coalesced copy. Dense plain gradients, the common
     case, are grouped by torch's C++ helper; sparse, complex and DTensor ones take the slow path.
     """
-    params = [p for p in iter_params(optimizer) if p.grad is not None]
-    dense: list[torch.Tensor] = []
-    special: list[torch.Tensor] = []
-    for param in params:
-        grad = param.grad
-        (dense if type(grad) is torch.Tensor and not grad.is_sparse else special).append(param)  # type: ignore[union-attr]
+    grads: list[torch.Tensor] = list(map(_GRAD, params))
+    if any(map(operator.is_, grads, repeat(None))):
+        params = [p for p, g in zip(params, grads, strict=True) if g is not None]
+        grads = [g for g in grads if g is not None]
+    plain = torch.Tensor
+    special = [i for i, g in enumerate(grads) if type(g) is not plain or g.is_sparse]
+    dense_params = params
+    if special:
+        skip = set(special)
+        dense_params = [p for i, p in enumerate(params) if i not in skip]
+        grads = [g for i, g in enumerate(grads) if i not in skip]
     groups = new_groups()
     with torch.no_grad():
-        if dense:
-            dense_grads: list[torch.Tensor] = [p.grad for p in dense]  # type: ignore[misc]
-            grouped = torch._C._group_tensors_by_device_and_dtype([dense_grads], owners is not None)  # type: ignore[list-item]
+        if grads:
+            grouped = torch._C._group_tensors_by_device_and_dtype([grads], owners is not None)  # type: ignore[list-item]
             for (device, dtype), (tensor_lists, indices) in grouped.items():
                 tensors: list[torch.Tensor] = tensor_lists[0]  # type: ignore[assignment]
                 if dtype.is_complex:
@@ -79,8 +114,8 @@ def group_grads(optimizer: torch.optim.Optimizer, *, allow_fp16: bool, owners: G
                     raise ValueError(FP16_GRADS_MESSAGE)
                 groups[device][dtype].extend(tensors)
                 if owners is not None:
-                    owners[device][dtype].extend(dense[i] for i in indices)
-        for param in special:
+                    owners[device][dtype].extend(dense_params[i] for i in indices)
+        for param in (params[i] for i in special):
             grad = param.grad
             assert grad is not None
             if grad.dtype == torch.float16 and not allow_fp16:

@@ -147,6 +147,7 @@ class GradScaler(torch.amp.GradScaler):
         self._hysteresis_tracker: torch.Tensor | None = None
         self._telemetry: Telemetry | None = None
         self._last_found_inf: torch.Tensor | None = None
+        self._param_lists: dict[int, grads.ParamList] = {}
         # torch annotates the records as plain dicts; ours declare their keys.
         self._per_optimizer_states: dict[int, OptimizerRecord] = defaultdict(  # type: ignore[assignment]
             _refresh_per_optimizer_state
@@ -196,7 +197,7 @@ class GradScaler(torch.amp.GradScaler):
         record = self._per_optimizer_states[id(optimizer)]
         self._check_stage(record, "unscale_()")
         inv_scale = self._inv_scale()
-        per_device = grads.unscale_and_check_(grads.group_grads(optimizer, allow_fp16=False), inv_scale)
+        per_device = grads.unscale_and_check_(grads.group_grads(self._params(optimizer), allow_fp16=False), inv_scale)
         self._record_found_inf(optimizer, record, per_device)
         record["grads_factor"] = inv_scale
         record["stage"] = OptState.UNSCALED
@@ -214,7 +215,7 @@ class GradScaler(torch.amp.GradScaler):
         norm_type = clipping.check_clip_arguments(max_norm, norm_type)
         if not self._enabled:
             params = [p for p in grads.iter_params(optimizer) if p.grad is not None]
-            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)  # torch's, as torch would
         scale, _ = self._check_scale_growth_tracker("clip_grad_norm_")
         record = self._per_optimizer_states[id(optimizer)]
         self._check_stage(record, "clip_grad_norm_()", allow_unscaled=True)
@@ -223,7 +224,7 @@ class GradScaler(torch.amp.GradScaler):
         unscaled = record["stage"] is OptState.UNSCALED
         hand_off = fused.supports_amp_scaling(optimizer) and not fused.takes_grad_scaler_kwarg(optimizer)
         owners = grads.new_groups()
-        groups = grads.group_grads(optimizer, allow_fp16=hand_off and not unscaled, owners=owners)
+        groups = grads.group_grads(self._params(optimizer), allow_fp16=hand_off and not unscaled, owners=owners)
         norms, flags = grads.norms_and_check(groups, norm_type)
         if not unscaled:
             self._record_found_inf(optimizer, record, flags)
@@ -472,6 +473,7 @@ class GradScaler(torch.amp.GradScaler):
             for name in ("_scale", "_growth_tracker", "_hysteresis_tracker", "_telemetry", "_last_found_inf"):
                 state[name] = None
         state["_process_group"] = None  # a process group belongs to this process
+        state["_param_lists"] = {}  # keyed by id(optimizer): meaningless in another process
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -517,8 +519,17 @@ class GradScaler(torch.amp.GradScaler):
 
     def _agreement_group(self, optimizer: torch.optim.Optimizer) -> Any | None:
         """The group whose ranks must agree on this optimizer's flag and norm (None: this process alone)."""
-        params = grads.iter_params(optimizer)
-        return distributed.agreement_group((p.grad for p in params if p.grad is not None), self._process_group)
+        if self._process_group is not None:
+            return self._process_group
+        params = self._params(optimizer)
+        return distributed.agreement_group((p.grad for p in params if p.grad is not None), None)
+
+    def _params(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        """``optimizer``'s parameters, cached between iterations (see ``grads.ParamList``)."""
+        cached = self._param_lists.get(id(optimizer))
+        if cached is None:
+            cached = self._param_lists[id(optimizer)] = grads.ParamList()
+        return cached.of(optimizer)
 
     def _record_found_inf(
         self, optimizer: torch.optim.Optimizer, record: OptimizerRecord, per_device: dict[torch.device, torch.Tensor]
@@ -539,7 +550,7 @@ class GradScaler(torch.amp.GradScaler):
         if record is not None and "grads_factor" in record:
             with torch.no_grad():
                 clipping.scale_grads_(
-                    grads.group_grads(optimizer, allow_fp16=True), record["grads_factor"].reciprocal()
+                    grads.group_grads(self._params(optimizer), allow_fp16=True), record["grads_factor"].reciprocal()
                 )
 
     # torch's private surface, with torch's meaning: Accelerate, Lightning, timm, FSDP's
@@ -588,7 +599,9 @@ class GradScaler(torch.amp.GradScaler):
         self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
     ) -> dict[torch.device, torch.Tensor]:
         """torch's: multiply the gradients by ``inv_scale`` in place; per-device flags seeded from ``found_inf``."""
-        return grads.unscale_and_check_(grads.group_grads(optimizer, allow_fp16=allow_fp16), inv_scale, found_inf)
+        return grads.unscale_and_check_(
+            grads.group_grads(self._params(optimizer), allow_fp16=allow_fp16), inv_scale, found_inf
+        )
 
     def _maybe_opt_step(
         self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any], *args: Any, **kwargs: Any
@@ -601,7 +614,9 @@ class GradScaler(torch.amp.GradScaler):
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:  # type: ignore[override]
         self._check_scale_growth_tracker("_check_inf_per_device")
         record = self._per_optimizer_states[id(optimizer)]
-        self._record_found_inf(optimizer, record, grads.nonfinite_flags(grads.group_grads(optimizer, allow_fp16=True)))
+        self._record_found_inf(
+            optimizer, record, grads.nonfinite_flags(grads.group_grads(self._params(optimizer), allow_fp16=True))
+        )
         return record["found_inf_per_device"]
 
     def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:  # type: ignore[override]
