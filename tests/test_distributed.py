@@ -66,16 +66,16 @@ def launch(world: int, out: Path) -> list[dict[str, Any]]:
         for proc in procs:
             proc.join(30)
 
-    problems = []
+    problems: list[tuple[int, str]] = []  # (0: never reported, 1: raised, 2: raised because a peer died; text)
     results: list[dict[str, Any]] = []
     for rank, proc in enumerate(procs):
         if not reported(rank):
             state = "still running at the deadline (killed)" if rank in hung else f"exit code {proc.exitcode}"
-            problems.append(f"rank {rank} wrote no result ({state}); its log:\n{read_log(out, rank) or '(empty)'}")
+            problems.append((0, f"rank {rank} wrote no result ({state}); its log:\n{read_log(out, rank) or '(empty)'}"))
             continue
         item = torch.load(result_path(str(out), rank), weights_only=False)
         if "error" in item:
-            problems.append(f"rank {rank} raised:\n{item['error']}")
+            problems.append((2 if "remote worker" in item["error"] else 1, f"rank {rank} raised:\n{item['error']}"))
             continue
         results.append(item)
         if rank in hung or proc.exitcode != 0:
@@ -83,7 +83,11 @@ def launch(world: int, out: Path) -> list[dict[str, Any]]:
             warnings.warn(
                 f"rank {rank} {state} in teardown, after writing its result: {read_log(out, rank)}", stacklevel=1
             )
-    assert not problems, "\n\n".join(problems)
+    if problems:
+        # The rank that failed first makes its peers fail with gloo's "... remote worker ..." errors:
+        # its own story goes first. pytest.fail, not assert: pytest truncates long assertion messages.
+        problems.sort(key=lambda problem: problem[0])
+        pytest.fail("\n\n".join(text for _, text in problems), pytrace=False)
     return results
 
 
