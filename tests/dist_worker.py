@@ -17,6 +17,7 @@ import datetime
 import faulthandler
 import math
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Iterator
@@ -34,6 +35,7 @@ MIXED_BAD_STEPS = (2, 5, 6)
 GLOBAL_BATCH = 8
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)  # a collective whose peer never comes fails
 HANG_SECONDS = 420  # a rank still running after this dumps its stacks and exits; the test waits longer
+DUMP_SIGNAL = signal.SIGUSR1  # the test sends it to a rank it is about to kill: stacks into the log
 
 
 def make_model() -> nn.Module:
@@ -389,6 +391,7 @@ def main(rank: int, world: int, out_dir: str) -> None:
     # Python stacks of a crash (fatal signal) or a hang land in rank<r>.log, which the test shows.
     log = open(log_path(out_dir, rank), "w")  # noqa: SIM115 - kept open for faulthandler until exit
     faulthandler.enable(file=log)
+    faulthandler.register(DUMP_SIGNAL, file=log, all_threads=True)
     faulthandler.dump_traceback_later(HANG_SECONDS, exit=True, file=log)
     torch.set_num_threads(1)
     ok = False

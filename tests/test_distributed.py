@@ -9,6 +9,7 @@ traceback. Every wait is bounded: a hang fails the test instead of hanging CI.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import time
@@ -19,7 +20,16 @@ from typing import Any
 import pytest
 import torch
 
-from dist_worker import BAD_STEP, HANG_SECONDS, MIXED_BAD_STEPS, MIXED_ORDERS, STEPS, log_path, result_path
+from dist_worker import (
+    BAD_STEP,
+    COLLECTIVE_TIMEOUT,
+    HANG_SECONDS,
+    MIXED_BAD_STEPS,
+    MIXED_ORDERS,
+    STEPS,
+    log_path,
+    result_path,
+)
 
 pytestmark = pytest.mark.distributed
 DEADLINE_SECONDS = HANG_SECONDS + 120  # hang guard only: a healthy run takes well under a minute
@@ -49,17 +59,22 @@ def launch(world: int, out: Path) -> list[dict[str, Any]]:
     deadline = time.monotonic() + DEADLINE_SECONDS
     grace_end: float | None = None
     try:
-        while any(p.is_alive() for p in procs):
+        while any(p.is_alive() for p in procs) and time.monotonic() < min(deadline, grace_end or deadline):
             now = time.monotonic()
-            if now > deadline or (grace_end is not None and now > grace_end):
-                break
-            if grace_end is None and all(reported(r) or not p.is_alive() for r, p in enumerate(procs)):
-                # Everyone has reported or died: the rest is teardown (or peers of a dead rank that
-                # will time out in their collectives; their result files then say so).
-                grace_end = now + (TEARDOWN_GRACE_SECONDS if all(map(reported, range(world))) else 2 * 120)
+            if grace_end is None and all(map(reported, range(world))):
+                grace_end = now + TEARDOWN_GRACE_SECONDS  # every result is in: the rest is teardown
+            elif grace_end is None and any(not p.is_alive() and p.exitcode != 0 for p in procs):
+                # A rank failed: its peers may be blocked in a collective until its timeout, then
+                # report that error; wait that long, not for the hang guard.
+                grace_end = now + COLLECTIVE_TIMEOUT.total_seconds() + 60
             procs[0].join(POLL_SECONDS)
     finally:
         hung = [rank for rank, p in enumerate(procs) if p.is_alive()]
+        for rank in hung:  # their Python stacks, into their logs, before the kill
+            with contextlib.suppress(OSError):
+                os.kill(procs[rank].pid, dist_worker.DUMP_SIGNAL)  # type: ignore[arg-type]
+        if hung:
+            time.sleep(2)
         for proc in procs:
             if proc.is_alive():
                 proc.kill()
@@ -70,7 +85,11 @@ def launch(world: int, out: Path) -> list[dict[str, Any]]:
     results: list[dict[str, Any]] = []
     for rank, proc in enumerate(procs):
         if not reported(rank):
-            state = "still running at the deadline (killed)" if rank in hung else f"exit code {proc.exitcode}"
+            state = (
+                "still running when the wait ended: stacks dumped, killed"
+                if rank in hung
+                else f"exit code {proc.exitcode}"
+            )
             problems.append((0, f"rank {rank} wrote no result ({state}); its log:\n{read_log(out, rank) or '(empty)'}"))
             continue
         item = torch.load(result_path(str(out), rank), weights_only=False)
