@@ -1,15 +1,23 @@
-"""Worker processes for the distributed tests: gloo on the CPU, loopback only.
+"""Worker processes for the distributed tests: gloo on the CPU, no network ports.
 
-``main(rank, world, port, out_dir)`` runs every scenario and saves one result file per rank; the
-test process compares them. Scenarios inject an inf into ONE rank's gradient shard at ``BAD_STEP``.
+``main(rank, world, out_dir)`` runs every scenario and saves one result file per rank; the test
+process compares them. Scenarios inject an inf into ONE rank's gradient shard at ``BAD_STEP`` (the
+mixed-placement ones at each of ``MIXED_BAD_STEPS``).
+
+Robustness (every rank, every run): the ranks meet through a FileStore in ``out_dir`` (no port to
+collide with); each rank writes its result file atomically BEFORE any teardown; teardown is a barrier,
+then ``destroy_process_group``; a hung rank dumps its Python stacks to ``rank<r>.log`` and exits.
 """
 
 from __future__ import annotations
 
 import copy
 import datetime
+import faulthandler
 import math
 import os
+import signal
+import sys
 import traceback
 from typing import Any
 
@@ -17,11 +25,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradscaler import GradScaler
+from gradscaler import GradScaler, distributed
 
 STEPS = 8
 BAD_STEP = 3
+MIXED_BAD_STEPS = (2, 5, 6)
 GLOBAL_BATCH = 8
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)  # a collective whose peer never comes fails
+HANG_SECONDS = 420  # a rank still running after this dumps its stacks and exits; the test waits longer
+DUMP_SIGNAL = signal.SIGUSR1  # the test sends it to a rank it is about to kill: stacks into the log
 
 
 def make_model() -> nn.Module:
@@ -181,6 +193,144 @@ def single_process(clip: bool) -> dict[str, Any]:
     return trace
 
 
+MIXED_ORDERS = ("plain-shard", "shard-plain", "replicate-shard", "shard-replicate")
+
+
+def mixed_targets(step: int, shapes: tuple[torch.Size, torch.Size]) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(2000 + step)
+    return torch.randn(shapes[0], generator=gen), torch.randn(shapes[1], generator=gen)
+
+
+def mixed_initial(world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whole values of the unsharded parameter ("other": plain or Replicate) and the Shard(0) one."""
+    gen = torch.Generator().manual_seed(3)
+    return torch.randn(5, 3, generator=gen), torch.randn(2 * world, 3, generator=gen)
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    full_tensor = getattr(tensor, "full_tensor", None)
+    return full_tensor() if callable(full_tensor) else tensor
+
+
+def mixed(
+    rank: int,
+    world: int,
+    order: str,
+    fused: bool,
+    clip: bool,
+    mesh: Any,
+    placements: tuple[Any, Any],
+    bad: bool,
+) -> dict[str, Any]:
+    """One optimizer over a sharded parameter and a plain or Replicate one, in the order ``order`` names.
+
+    Every rank computes the same loss of the whole parameters; ``placements`` are those of the sharded
+    and the replicated DTensor parameter; ``bad`` says whether this rank's shard gets the inf at each
+    of ``MIXED_BAD_STEPS`` (the test wants every rank to skip exactly those steps). No process_group.
+    """
+    from torch.distributed.tensor import distribute_tensor
+
+    other_init, shard_init = mixed_initial(world)
+    other_kind = order.replace("shard", "").strip("-")
+    if other_kind == "plain":
+        other = nn.Parameter(other_init.clone())
+    else:
+        other = nn.Parameter(distribute_tensor(other_init.clone(), mesh, list(placements[1])))
+    shard = nn.Parameter(distribute_tensor(shard_init.clone(), mesh, list(placements[0])))
+    params = [shard, other] if order.startswith("shard") else [other, shard]
+    opt = torch.optim.AdamW(params, lr=1e-2, fused=fused or None, foreach=None if fused else False)
+    scaler = GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    trace: dict[str, list[Any]] = {"scale": [], "skipped": [], "unchanged": [], "norm": [], "norm_ref": []}
+    for step in range(STEPS):
+        opt.zero_grad()
+        t_other, t_shard = mixed_targets(step, (other_init.shape, shard_init.shape))
+        loss = ((whole(other) - t_other) ** 2).sum() + 0.5 * ((whole(shard) - t_shard) ** 2).sum()
+        scaler.scale(loss).backward()
+        if step in MIXED_BAD_STEPS and bad:
+            shard.grad.to_local().view(-1)[0] = math.inf  # type: ignore[union-attr]
+        reference = full_norm([whole(p.grad) for p in params], scaler.get_scale()) if clip else None  # type: ignore[arg-type]
+        finish_step(trace, scaler, opt, params, clip, reference)
+    trace["params"] = [whole(p).detach().clone() for p in (other, shard)]
+    return trace
+
+
+def mixed_single(fused: bool, clip: bool, world: int) -> dict[str, Any]:
+    """The reference of ``mixed``: one process, plain tensors, the inf at the same steps."""
+    other_init, shard_init = mixed_initial(world)
+    other, shard = nn.Parameter(other_init.clone()), nn.Parameter(shard_init.clone())
+    params = [other, shard]
+    opt = torch.optim.AdamW(params, lr=1e-2, fused=fused or None, foreach=None if fused else False)
+    scaler = GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    trace: dict[str, list[Any]] = {"scale": [], "skipped": [], "unchanged": [], "norm": [], "norm_ref": []}
+    for step in range(STEPS):
+        opt.zero_grad()
+        t_other, t_shard = mixed_targets(step, (other_init.shape, shard_init.shape))
+        loss = ((other - t_other) ** 2).sum() + 0.5 * ((shard - t_shard) ** 2).sum()
+        scaler.scale(loss).backward()
+        if step in MIXED_BAD_STEPS:
+            shard.grad.view(-1)[-1] = math.inf  # type: ignore[union-attr]
+        finish_step(trace, scaler, opt, params, clip)
+    trace["params"] = [p.detach().clone() for p in params]
+    return trace
+
+
+def conflicting_groups(rank: int, mesh2d: Any) -> dict[str, Any]:
+    """Two gradients sharded over different dimensions of a 2-d mesh: no order-free answer exists."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    row = distribute_tensor(torch.ones(4, 2), mesh2d, [Shard(0), Replicate()])
+    col = distribute_tensor(torch.ones(4, 2), mesh2d, [Replicate(), Shard(0)])
+    out: dict[str, Any] = {}
+    for name, grads in (("row-col", [row, col]), ("col-row", [torch.ones(1), col, row])):
+        try:
+            distributed.agreement_group(grads)
+            out[name] = None
+        except ValueError as exc:
+            out[name] = str(exc)
+    out["explicit"] = distributed.agreement_group([row, col], dist.group.WORLD) is dist.group.WORLD
+    # The same mesh layout built twice: distinct group objects over the same ranks are one group.
+    from torch.distributed.device_mesh import init_device_mesh
+
+    twin = distribute_tensor(torch.ones(4, 2), init_device_mesh("cpu", (2, 2)), [Replicate(), Shard(0)])
+    same = distributed.agreement_group(
+        [torch.ones(1), col, twin, row.redistribute(placements=[Replicate(), Replicate()])]
+    )
+    out["same-ranks"] = dist.get_process_group_ranks(same)
+    out["want-ranks"] = dist.get_process_group_ranks(mesh2d.get_group(1))
+    return out
+
+
+def mixed_scenarios(rank: int, world: int) -> dict[str, Any]:
+    """D12: skip decisions must not depend on which parameter comes first (no process_group given)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+
+    out: dict[str, Any] = {}
+    meshes = [("mesh1d", init_device_mesh("cpu", (world,)), (Shard(0),), (Replicate(),), rank == world - 1)]
+    if world == 4:  # HSDP-like: replicas along dim 0, shards along dim 1; the inf is in both replicas
+        mesh2d = init_device_mesh("cpu", (2, 2))
+        coordinate = mesh2d.get_coordinate()
+        assert coordinate is not None
+        bad = coordinate[1] == 1
+        meshes.append(("mesh2d", mesh2d, (Replicate(), Shard(0)), (Replicate(), Replicate()), bad))
+        out["conflict"] = conflicting_groups(rank, mesh2d)
+    for mesh_tag, mesh, shard_placements, replicate_placements, bad in meshes:
+        for order in MIXED_ORDERS:
+            for fused in (False, True):
+                if fused and "plain" in order:
+                    continue  # torch's fused AdamW refuses a mix of plain tensors and DTensors
+                for clip in (False, True):
+                    name = f"mixed-{mesh_tag}-{order}-{'fused' if fused else 'forloop'}-{'clip' if clip else 'noclip'}"
+                    placements = (shard_placements, replicate_placements)
+                    out[name] = mixed(rank, world, order, fused, clip, mesh, placements, bad)
+    for fused in (False, True):
+        for clip in (False, True):
+            out[f"mixed-single-{'fused' if fused else 'forloop'}-{'clip' if clip else 'noclip'}"] = mixed_single(
+                fused, clip, world
+            )
+    return out
+
+
 def scenarios(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for clip in (False, True):
@@ -192,17 +342,59 @@ def scenarios(rank: int, world: int) -> dict[str, Any]:
             out[f"fsdp2-{opt_tag}-{tag}"] = fsdp2(rank, world, fused, clip)
         if rank == 0:
             out[f"single-{tag}"] = single_process(clip)
+    out.update(mixed_scenarios(rank, world))
     return out
 
 
-def main(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+def result_path(out_dir: str, rank: int) -> str:
+    return os.path.join(out_dir, f"rank{rank}.pt")
+
+
+def log_path(out_dir: str, rank: int) -> str:
+    return os.path.join(out_dir, f"rank{rank}.log")
+
+
+def store_path(out_dir: str) -> str:
+    return os.path.join(out_dir, "store")
+
+
+def write_result(out_dir: str, rank: int, result: dict[str, Any]) -> None:
+    """Write then rename: the test never reads a half-written file."""
+    final = result_path(out_dir, rank)
+    tmp = f"{final}.tmp"
+    torch.save(result, tmp)
+    os.replace(tmp, final)
+
+
+def main(rank: int, world: int, out_dir: str) -> None:
+    # Python stacks of a crash (fatal signal) or a hang land in rank<r>.log, which the test shows.
+    log = open(log_path(out_dir, rank), "w")  # noqa: SIM115 - kept open for faulthandler until exit
+    faulthandler.enable(file=log)
+    faulthandler.register(DUMP_SIGNAL, file=log, all_threads=True)
+    faulthandler.dump_traceback_later(HANG_SECONDS, exit=True, file=log)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+    ok = False
     try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{store_path(out_dir)}",
+            rank=rank,
+            world_size=world,
+            timeout=COLLECTIVE_TIMEOUT,
+        )
         result: dict[str, Any] = {"scenarios": scenarios(rank, world)}
-    except Exception:
+        ok = True
+    except BaseException:
         result = {"error": traceback.format_exc()}
-    finally:
-        dist.destroy_process_group()
-    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    write_result(out_dir, rank, result)
+    try:
+        if dist.is_initialized():
+            if ok:  # every rank has left its last collective before any tears its connections down
+                dist.barrier()
+            dist.destroy_process_group()
+    except Exception:  # the result is written: report the teardown failure, the test decides
+        traceback.print_exc(file=log)
+        log.flush()
+    faulthandler.cancel_dump_traceback_later()
+    if not ok:
+        sys.exit(1)  # the traceback is in the result file, which the test shows

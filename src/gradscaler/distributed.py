@@ -35,13 +35,94 @@ def dtensor_group(tensor: torch.Tensor) -> Any | None:
     )
 
 
+def _shard_group(mesh: Any, placements: Any) -> Any | None:
+    """``dtensor_group`` for a DTensor's mesh and placements, ignoring mesh dimensions of size 1.
+
+    A shard over a mesh dimension of one rank is the whole tensor: it needs no agreement with anyone.
+    """
+    dims = [i for i, placement in enumerate(placements) if placement.is_shard() and mesh.size(i) > 1]
+    if not dims:
+        return None
+    if len(dims) == 1:
+        return mesh.get_group(dims[0]) if mesh.ndim > 1 else mesh.get_group()
+    raise NotImplementedError(
+        "DTensor gradients sharded over several mesh dimensions need an explicit process_group: "
+        f"placements {placements!r} on a {mesh.ndim}-d mesh."
+    )
+
+
+def _group_ranks(group: Any) -> list[int] | None:
+    try:
+        return list(dist.get_process_group_ranks(group))
+    except Exception:  # not a registered ProcessGroup (or no default group): compare by identity only
+        return None
+
+
+def _describe(index: int, mesh: Any, placements: Any, ranks: list[int] | None) -> str:
+    over = f"ranks {ranks}" if ranks is not None else "an unknown group"
+    return f"gradient #{index} ({', '.join(map(repr, placements))} on {mesh!r}) reduces over {over}"
+
+
 def agreement_group(grads: Iterable[torch.Tensor], explicit: Any | None = None) -> Any | None:
-    """The group over which these gradients' overflow flag and clip norm are reduced (``explicit`` wins)."""
+    """The process group over which the overflow flag (and clip norm) of these gradients must be reduced.
+
+    ``explicit`` (the scaler's ``process_group``) wins when given. Otherwise every gradient that is a
+    DTensor sharded over a mesh dimension of more than one rank names the group of that dimension
+    (as ``dtensor_group`` computes it); Replicate-only DTensors and plain tensors name none, since each
+    rank holds all of them. The order of the gradients does not matter: all the named groups must be
+    the same group (the same object, or the same ranks), which is returned; ``None`` when none is named.
+
+    Raises:
+        ValueError: two gradients are sharded over different groups (e.g. different meshes or mesh
+            dimensions): no single reduction makes every rank agree, the user must pass one.
+        NotImplementedError: a gradient is sharded over several mesh dimensions (see ``dtensor_group``).
+
+    Cost: one ``type(g) is torch.Tensor`` test per plain gradient; DTensor gradients that share a mesh
+    and placements are resolved once per call.
+    """
     if explicit is not None:
         return explicit
-    for grad in grads:
-        return dtensor_group(grad)
-    return None
+    plain = torch.Tensor
+    found: Any | None = None
+    found_at: tuple[int, Any, Any] | None = None
+    resolved: dict[tuple[int, Any], Any | None] = {}
+    for index, grad in enumerate(grads):
+        if type(grad) is plain:
+            continue
+        mesh = getattr(grad, "device_mesh", None)
+        placements = getattr(grad, "placements", None)
+        if mesh is None or placements is None:
+            continue
+        key = (id(mesh), tuple(placements))
+        if key in resolved:
+            group = resolved[key]
+        else:
+            group = resolved[key] = _shard_group(mesh, placements)
+        if group is None or group is found:
+            continue
+        if found_at is None:
+            found, found_at = group, (index, mesh, placements)
+            continue
+        ranks, found_ranks = _group_ranks(group), _group_ranks(found)
+        if ranks is not None and ranks == found_ranks:
+            continue  # two handles on the same ranks: either gives the same reduction
+        raise ValueError(
+            "The gradients of this optimizer are sharded over different process groups, so no single "
+            f"reduction of the overflow flag makes every rank agree: {_describe(*found_at, found_ranks)}, "
+            f"but {_describe(index, mesh, placements, ranks)}. Pass process_group= to GradScaler "
+            "explicitly: a group spanning every rank that holds a shard of any of these gradients "
+            "(e.g. torch.distributed.group.WORLD)."
+        )
+    return found
+
+
+def is_sharded(grad: torch.Tensor) -> bool:
+    """Whether ``grad`` is a DTensor sharded over a mesh dimension of more than one rank (each rank holds part)."""
+    if type(grad) is torch.Tensor:
+        return False
+    mesh = getattr(grad, "device_mesh", None)
+    placements = getattr(grad, "placements", None)
+    return mesh is not None and placements is not None and _shard_group(mesh, placements) is not None
 
 
 def agree_on_flag_(flag: torch.Tensor, group: Any | None) -> torch.Tensor:

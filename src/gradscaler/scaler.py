@@ -228,8 +228,7 @@ class GradScaler(torch.amp.GradScaler):
         norms, flags = grads.norms_and_check(groups, norm_type)
         if not unscaled:
             self._record_found_inf(optimizer, record, flags)
-        group = self._agreement_group(optimizer)
-        total = distributed.reduce_norm_(clipping.total_norm(norms, norm_type, scale.device), norm_type, group)
+        total = self._total_norm(optimizer, norms, owners, norm_type)
         inv_scale = torch.ones((), device=scale.device) if unscaled else self._inv_scale()
         total = total * inv_scale
         self._monitor.grad_norms[id(optimizer)] = [
@@ -523,6 +522,39 @@ class GradScaler(torch.amp.GradScaler):
             return self._process_group
         params = self._params(optimizer)
         return distributed.agreement_group((p.grad for p in params if p.grad is not None), None)
+
+    def _total_norm(
+        self,
+        optimizer: torch.optim.Optimizer,
+        norms: dict[torch.device, torch.Tensor],
+        owners: grads.GradGroups,
+        norm_type: float,
+    ) -> torch.Tensor:
+        """The norm of all of ``optimizer``'s gradients on every rank: shards' norms reduced, whole tensors once.
+
+        With an explicit ``process_group`` every gradient is taken as partitioned over it. With DTensor
+        gradients, only the sharded ones are reduced over their mesh: a plain or Replicate gradient is
+        whole on every rank and counts once.
+        """
+        assert self._scale is not None
+        device = self._scale.device
+        group = self._agreement_group(optimizer)
+        if group is None or self._process_group is not None:
+            return distributed.reduce_norm_(clipping.total_norm(norms, norm_type, device), norm_type, group)
+        masks = {
+            dev: [distributed.is_sharded(p.grad) for params in owners[dev].values() for p in params]  # type: ignore[arg-type]
+            for dev in norms
+        }
+        if all(all(mask) for mask in masks.values()):  # FSDP2: every gradient is a shard
+            return distributed.reduce_norm_(clipping.total_norm(norms, norm_type, device), norm_type, group)
+        sharded: dict[torch.device, torch.Tensor] = {}
+        whole: dict[torch.device, torch.Tensor] = {}
+        for dev, device_norms in norms.items():
+            mask = torch.tensor(masks[dev], dtype=torch.bool).to(dev, non_blocking=True)
+            sharded[dev], whole[dev] = device_norms[mask], device_norms[~mask]
+        parts = distributed.reduce_norm_(clipping.total_norm(sharded, norm_type, device), norm_type, group)
+        rest = clipping.total_norm(whole, norm_type, device)
+        return clipping.total_norm({device: torch.stack([parts, rest])}, norm_type, device)
 
     def _params(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
         """``optimizer``'s parameters, cached between iterations (see ``grads.ParamList``)."""
