@@ -127,14 +127,17 @@ def _layout(sizes: tuple[int, ...], big: list[int], small: list[int]) -> tuple[t
 def _cpu(grads: list[torch.Tensor], norm_type: float | None, inv_scale: torch.Tensor | None) -> GradStats:
     raw, is_norm = _cpu_raw(grads, norm_type)
     nonfinite = torch.zeros((), dtype=torch.float32)
-    bad = torch.isfinite(raw).logical_not_()
-    if bool(bad.any()):  # rare: a real inf/NaN, or an overflow of finite values (see the module doc)
+    # The results are >= 0 (or NaN), so their sum is finite iff every one is (or it overflows, and
+    # the per-entry check below clears it): one op and one host read on the common path.
+    clean = math.isfinite(raw.sum().item())
+    bad = None if clean else torch.isfinite(raw).logical_not_()
+    if bad is not None and bool(bad.any()):  # rare: a real inf/NaN, or finite values that overflowed
         if norm_type is None:  # the results may not be per tensor: check every tensor again
             found = any(_exact(g, None)[0] for g in grads)
             return GradStats(nonfinite.fill_(1.0) if found else nonfinite, None)
         raw = raw.double() if is_norm else raw.double().sqrt()
         is_norm = True
-        for i in bad.nonzero().flatten().tolist():
+        for i in bad.nonzero().flatten().tolist():  # type: ignore[union-attr]
             found, norm = _exact(grads[i], norm_type)
             raw[i] = norm
             if found:
