@@ -62,9 +62,9 @@ if AVAILABLE:
 
     @triton.jit
     def _nan_max(values):
-        """The max of a block, NaN when any lane is NaN (a reduction max may drop NaN)."""
+        """The max of a block, NaN when any lane is NaN (a reduction max may drop NaN; a sum keeps it)."""
         has_nan = tl.max((values != values).to(tl.int32), axis=0)
-        return tl.where(has_nan > 0, float("nan"), tl.max(values, axis=0))
+        return tl.where(has_nan > 0, tl.sum(values, axis=0), tl.max(values, axis=0))
 
     @triton.jit
     def _chunk_kernel(
