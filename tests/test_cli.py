@@ -50,7 +50,23 @@ def test_short_demo_writes_table_figure_and_json(tmp_path: Path, capsys: pytest.
 def test_short_bench_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "b.json"
     assert cli.main(["bench", "--sections", "kernel", "--steps", "1", "--warmup", "1", "--out", str(path)]) == 0
-    assert "gradscaler flag + L2 norms" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "gradscaler flag + L2 norms" in out and "gradscaler flag only" in out and "of copy bandwidth" in out
     numbers = json.loads(path.read_text())
+    assert numbers["kernel"]["ours_check_only_fraction_of_copy_bandwidth"] > 0
     # float32 sums over up to 25M values (CPU: BLAS dot) against float64: a few 1e-5 at most.
     assert numbers["kernel"]["max_rel_error_vs_float64"] < 1e-4
+
+
+def test_quick_matrix_reports_every_cell(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "m.json"
+    argv = ["bench", "--device", "cpu", "--sections", "matrix", "--quick", "--steps", "1", "--warmup", "1"]
+    assert cli.main([*argv, "--out", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "| many small (200 x 256) | fused AdamW | no |" in out and "step phase share" in out
+    matrix = json.loads(path.read_text())["matrix"]
+    assert len(matrix["cells"]) == 4 * 6 * 2  # shapes x optimizers x clip, every cell reported
+    timed = [c for c in matrix["cells"] if "skipped" not in c]
+    assert all(c["ok"] for c in timed), [c["check"] for c in timed]  # same scales; bit-identical without clip
+    assert all(c["step"]["ratio"] > 0 and c["host"]["ratio"] > 0 for c in timed)
+    assert len(matrix["iteration"]) == 3 and all(0 < r["ours_step_share"] < 1 for r in matrix["iteration"])

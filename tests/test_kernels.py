@@ -1,4 +1,9 @@
-"""``grad_stats``: the torch path and the Triton kernel (interpreted on the CPU) against float64."""
+"""``grad_stats``: the torch paths and the Triton kernel (interpreted on the CPU) against float64.
+
+Three implementations: ``torch`` (the CPU route), ``generic`` (the torch route for devices without
+Triton, run here on CPU tensors) and ``triton``. Each must give an exact non-finite flag for every
+dtype and norms of ``g * inv_scale`` that do not overflow before the multiply.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +17,18 @@ from gradscaler.kernels import torch_stats
 triton_stats = pytest.importorskip("gradscaler.kernels.triton_stats")
 pytestmark = pytest.mark.skipif(not triton_stats.AVAILABLE, reason="triton is not installed")
 
+
+class _Generic:
+    """The no-sync torch route, callable like the modules."""
+
+    @staticmethod
+    def grad_stats(grads, norm_type, inv_scale=None):  # type: ignore[no-untyped-def]
+        return torch_stats._generic(grads, norm_type, inv_scale)
+
+
+IMPLS = [torch_stats, _Generic, triton_stats]
+IMPL_IDS = ["torch", "generic", "triton"]
+
 # Chunk edges: 70_001 spans two chunks (the first full), 131_072 is exactly two, 4_096 one block.
 SHAPES = [(300, 50), (7,), (0,), (70_001,), (3, 4, 5), (1,), (131_072,), (4_096,)]
 NORMS = [None, 1.0, 2.0, 3.0, math.inf]
@@ -23,19 +40,18 @@ def grads(seed: int, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
     return [(torch.randn(s, generator=g) * 100).to(DEVICE, dtype) for s in SHAPES]
 
 
-def reference(tensors: list[torch.Tensor], p: float) -> torch.Tensor:
-    """float64 norms; an empty tensor's norm is 0 (vector_norm refuses an empty inf-norm)."""
-    return torch.stack(
-        [
-            torch.linalg.vector_norm(t.double().cpu().reshape(-1), p)
-            if t.numel()
-            else torch.zeros((), dtype=torch.float64)
-            for t in tensors
-        ]
-    )
+def reference(tensors: list[torch.Tensor], p: float, inv_scale: float = 1.0) -> torch.Tensor:
+    """float64 norms of ``t * inv_scale``; an empty tensor's norm is 0 (vector_norm refuses an empty
+    inf-norm). Rescaled by the largest value, so float64 1e300 does not overflow."""
+    norms = []
+    for t in tensors:
+        values = t.double().cpu().reshape(-1) * inv_scale
+        top = values.abs().max() if values.numel() else torch.zeros((), dtype=torch.float64)
+        norms.append(top * torch.linalg.vector_norm(values / top, p) if top > 0 else top)
+    return torch.stack(norms)
 
 
-@pytest.mark.parametrize("impl", [torch_stats, triton_stats], ids=["torch", "triton"])
+@pytest.mark.parametrize("impl", IMPLS, ids=IMPL_IDS)
 @pytest.mark.parametrize("p", NORMS, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_norms_match_float64(impl, p: float | None, dtype: torch.dtype) -> None:
@@ -51,7 +67,7 @@ def test_norms_match_float64(impl, p: float | None, dtype: torch.dtype) -> None:
     torch.testing.assert_close(stats.norms.double().cpu(), expected, rtol=tolerance, atol=0)
 
 
-@pytest.mark.parametrize("impl", [torch_stats, triton_stats], ids=["torch", "triton"])
+@pytest.mark.parametrize("impl", IMPLS, ids=IMPL_IDS)
 @pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan], ids=["inf", "-inf", "nan"])
 @pytest.mark.parametrize("where", [0, 3, 6], ids=["first", "big", "two_chunks"])
 @pytest.mark.parametrize("p", [None, 2.0, math.inf], ids=str)
@@ -67,10 +83,100 @@ def test_flag_catches_every_nonfinite_value(impl, bad: float, where: int, p: flo
         assert torch.equal(a.nan_to_num(), b.nan_to_num()), "the check must not write"
 
 
-def test_large_finite_values_are_not_flagged_by_the_check() -> None:
-    tensors = [torch.full((10,), 3e38, device=DEVICE)]
-    assert float(triton_stats.grad_stats(tensors, None).nonfinite) == 0.0
-    assert float(torch_stats.grad_stats(tensors, None).nonfinite) == 0.0
+@pytest.mark.parametrize("impl", IMPLS, ids=IMPL_IDS)
+@pytest.mark.parametrize("p", NORMS, ids=str)
+def test_large_finite_values_are_not_flagged(impl, p: float | None) -> None:
+    """D7: squares of float32 values above ~1.8e19 overflow float32; the values are still finite."""
+    tensors = [torch.full((10,), 3e38, device=DEVICE), torch.full((70_001,), 1e20, device=DEVICE)]
+    stats = impl.grad_stats(tensors, p, torch.tensor(2.0**-100))
+    assert float(stats.nonfinite) == 0.0
+    if p is not None:
+        expected = reference(tensors, p, 2.0**-100)
+        # p=1 and 3 on the CPU: torch's float32 accumulation (as clip_grad_norm_'s), 70k equal values.
+        tolerance = 1e-5 if p in (2.0, math.inf) else 5e-4
+        torch.testing.assert_close(stats.norms.double().cpu(), expected, rtol=tolerance, atol=0)
+
+
+@pytest.mark.parametrize("impl", IMPLS, ids=IMPL_IDS)
+@pytest.mark.parametrize("p", [None, 2.0, math.inf], ids=str)
+def test_float64_values_beyond_float32_are_finite(impl, p: float | None) -> None:
+    """D11: a float64 1e300 is finite; the flag must not go through float32."""
+    tensors = [torch.full((3,), 1e300, dtype=torch.float64, device=DEVICE), torch.randn(70_001, dtype=torch.float64)]
+    stats = impl.grad_stats(tensors, p)
+    assert float(stats.nonfinite) == 0.0
+    if p is not None:
+        assert stats.norms.dtype == torch.float64
+        # float64 sums of squares of 1e300 overflow: only the CPU route rescales them.
+        check = slice(None) if impl is torch_stats or math.isinf(p) else slice(1, None)
+        torch.testing.assert_close(stats.norms.cpu()[check], reference(tensors, p)[check], rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("impl", IMPLS, ids=IMPL_IDS)
+@pytest.mark.parametrize("p", [1.0, 2.0, 3.0, math.inf], ids=str)
+@pytest.mark.parametrize("log2_scale", [0, 16, 64, 100])
+def test_unscaled_norms_near_float32_max(impl, p: float, log2_scale: int) -> None:
+    """Scaled gradients up to ~2**127 (float32's max is 2**128): norms of g / S, finite and right."""
+    gen = torch.Generator().manual_seed(log2_scale)
+    scale = 2.0**log2_scale
+    magnitude = min(2.0**126, 1e-3 * scale)  # scaled gradients: true values ~1e-3, capped below the max
+    tensors = [(torch.rand(s, generator=gen) * 2 - 1) * magnitude for s in [(70_001,), (300, 50), (7,), (0,)]]
+    tensors[0][5] = 2.0**127.9 if log2_scale == 100 else tensors[0][5]
+    inv = torch.tensor(1.0 / scale)
+    stats = impl.grad_stats([t.to(DEVICE) for t in tensors], p, inv)
+    assert float(stats.nonfinite) == 0.0
+    assert stats.norms.dtype == torch.float32
+    assert bool(torch.isfinite(stats.norms).all())
+    torch.testing.assert_close(stats.norms.double().cpu(), reference(tensors, p, 1.0 / scale), rtol=2e-5, atol=0)
+
+
+@pytest.mark.parametrize("impl", IMPLS, ids=IMPL_IDS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan], ids=["inf", "-inf", "nan"])
+@pytest.mark.parametrize("p", [None, 1.0, 2.0, 3.0, math.inf], ids=str)
+def test_flag_is_exact_for_every_dtype(impl, dtype: torch.dtype, bad: float, p: float | None) -> None:
+    tensors = grads(seed=11, dtype=dtype)
+    assert float(impl.grad_stats(tensors, p).nonfinite) == 0.0
+    for where in (0, 3, 6):
+        spoiled = [t.clone() for t in tensors]
+        spoiled[where].view(-1)[spoiled[where].numel() // 2] = bad
+        stats = impl.grad_stats(spoiled, p, torch.tensor(0.5))
+        assert float(stats.nonfinite) == 1.0, (where, dtype, bad)
+        if p is not None:
+            norm = float(stats.norms[where])
+            assert math.isnan(norm) if math.isnan(bad) else norm == math.inf
+            clean = [i for i in range(len(tensors)) if i != where]
+            expected = reference([spoiled[i] for i in clean], p, 0.5)
+            torch.testing.assert_close(stats.norms.double().cpu()[clean], expected, rtol=1e-4, atol=0)
+
+
+@pytest.mark.parametrize("impl", IMPLS, ids=IMPL_IDS)
+@pytest.mark.parametrize("p", [None, 2.0, math.inf], ids=str)
+def test_empty_tensors(impl, p: float | None) -> None:
+    tensors = [torch.empty(0, device=DEVICE), torch.empty(0, 3, device=DEVICE)]
+    stats = impl.grad_stats(tensors, p, torch.tensor(0.5))
+    assert float(stats.nonfinite) == 0.0
+    if p is not None:
+        assert stats.norms.tolist() == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("impl", IMPLS, ids=IMPL_IDS)
+@pytest.mark.parametrize("p", [None, 1.0, 2.0, 3.0, math.inf], ids=str)
+@pytest.mark.parametrize("layout", ["many_small", "few_big"])
+def test_many_small_and_few_big_tensors(impl, p: float | None, layout: str) -> None:
+    gen = torch.Generator().manual_seed(5)
+    if layout == "many_small":
+        count = 300 if impl is triton_stats else 2000  # the interpreter runs one program per tensor
+        tensors = [torch.randn(256, generator=gen) * 1e3 for _ in range(count)]
+    else:
+        tensors = [torch.randn(1_000_003, generator=gen) * 1e3 for _ in range(2)]
+    stats = impl.grad_stats([t.to(DEVICE) for t in tensors], p, torch.tensor(2.0**-10))
+    assert float(stats.nonfinite) == 0.0
+    if p is not None:
+        tolerance = 1e-5 if p in (2.0, math.inf) else 3e-4  # p=1, 3: float32 sums of 1M values
+        torch.testing.assert_close(stats.norms.double().cpu(), reference(tensors, p, 2.0**-10), rtol=tolerance, atol=0)
+        spoiled = [t.clone() for t in tensors]
+        spoiled[-1][-1] = math.nan
+        assert float(impl.grad_stats([t.to(DEVICE) for t in spoiled], p).nonfinite) == 1.0
 
 
 def test_triton_norms_are_deterministic() -> None:
@@ -92,3 +198,24 @@ def test_non_contiguous_tensors() -> None:
     tensors = [base.t(), base[:, ::2]]
     stats = triton_stats.grad_stats(tensors, 2.0)
     torch.testing.assert_close(stats.norms.double().cpu(), reference(tensors, 2.0), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("p", [None, 2.0], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_cpu_small_tensor_route_keeps_order_and_flag(p: float | None, dtype: torch.dtype) -> None:
+    """Small tensors share one flattened buffer on the CPU: norms still come back in the callers'
+    order (small and big interleaved, empty ones included), and a bad value anywhere is found."""
+    gen = torch.Generator().manual_seed(2)
+    sizes = [(3, 5), (0,), (torch_stats.SMALL,), (1,), (7, 9), (torch_stats.SMALL * 3 + 1,)] * 5
+    tensors = [torch.randn(s, generator=gen, dtype=dtype) * 100 for s in sizes]
+    for _ in range(2):  # the second call uses the cached layout
+        stats = torch_stats.grad_stats(tensors, p, torch.tensor(0.25))
+        assert float(stats.nonfinite) == 0.0
+        if p is not None:
+            torch.testing.assert_close(stats.norms.double(), reference(tensors, p, 0.25), rtol=1e-5, atol=0)
+    for where in (0, 2, 29):
+        spoiled = [t.clone() for t in tensors]
+        spoiled[where].view(-1)[-1] = math.inf
+        assert float(torch_stats.grad_stats(spoiled, p).nonfinite) == 1.0
+        spoiled[where].view(-1)[-1] = 1e30  # finite, squares overflow float32
+        assert float(torch_stats.grad_stats(spoiled, p).nonfinite) == 0.0

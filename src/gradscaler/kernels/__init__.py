@@ -17,8 +17,13 @@ import torch
 class GradStats(NamedTuple):
     """Result of one read pass.
 
-    ``nonfinite``: 0-d float32, 1.0 when any value is inf or NaN, else 0.0 (exact).
-    ``norms``: 1-d float32, the ``norm_type``-norm of each tensor as stored, or None for a check only.
+    ``nonfinite``: 0-d float32, 1.0 when any stored value is inf or NaN, else 0.0. Exact for every
+    dtype: a finite value is never called an overflow (float64 1e300, float32 3e38 with p=2).
+    ``norms``: 1-d, the ``norm_type``-norm of each tensor times ``inv_scale`` (``||g * inv_scale||``),
+    or None for a check only; float32, float64 for float64 gradients. The multiply comes before any
+    value is squared (or accumulated in float64), so scaled gradients near float32's max with
+    ``inv_scale`` down to 2**-100 give the right finite unscaled norm. Norms of a tensor holding an
+    inf are inf, holding a NaN NaN. An empty tensor's norm is 0.
     """
 
     nonfinite: torch.Tensor
@@ -38,17 +43,21 @@ def _use_triton(device: torch.device) -> bool:
     return triton_stats.AVAILABLE
 
 
-def grad_stats(grads: list[torch.Tensor], norm_type: float | None) -> GradStats:
-    """Flag and (when ``norm_type`` is given) per-tensor norms of ``grads`` in one read; no host sync.
+def grad_stats(grads: list[torch.Tensor], norm_type: float | None, inv_scale: torch.Tensor | None = None) -> GradStats:
+    """Flag and (when ``norm_type`` is given) per-tensor norms of ``grads * inv_scale`` in one read.
 
-    ``grads`` share one device and one real dtype. ``norm_type`` is a p >= 1, ``inf``, or None.
+    ``grads`` share one device and one real dtype (float16, bfloat16, float32 or float64); nothing is
+    written. ``norm_type`` is a p >= 1, ``inf``, or None (the flag alone). ``inv_scale`` is a 0-d
+    float tensor (any device; on the gradients' device it costs no copy), or None for 1. No host sync
+    on CUDA; on the CPU one host read of the per-tensor results decides whether a tensor whose result
+    overflowed must be read again (see ``torch_stats``).
     """
     if not grads:
         raise ValueError("grad_stats needs at least one tensor.")
     if _use_triton(grads[0].device):
         from gradscaler.kernels import triton_stats
 
-        return triton_stats.grad_stats(grads, norm_type)
+        return triton_stats.grad_stats(grads, norm_type, inv_scale)
     from gradscaler.kernels import torch_stats
 
-    return torch_stats.grad_stats(grads, norm_type)
+    return torch_stats.grad_stats(grads, norm_type, inv_scale)

@@ -3,9 +3,12 @@
 Launch 1 runs one program per CHUNK-element chunk of any tensor. A program finds its tensor from a
 small table of chunk offsets, reads its chunk once, ORs a non-finite bit into the device flag (atomic
 max of 1.0, so the result does not depend on order) and, for a norm, writes one partial (sum of
-squares, sum of ``|x|**p``, or max ``|x|``). Launch 2 reduces each tensor's partials in a fixed order, so
-norms are deterministic run to run. The tables (addresses, sizes, chunk offsets) are built on the host
-and cached by the gradients' addresses, which the caching allocator keeps stable across iterations.
+squares, sum of ``|x|**p``, or max ``|x|``, of ``x * inv_scale``; sums in float64). The flag is read
+off the stored values (float64 ones are not narrowed). Launch 2 reduces each tensor's partials in a
+fixed order, so norms are deterministic run to run. Float64 gradients above ~1e154 get an inf
+2-norm here (their squares overflow float64); the CPU route rescales them. The tables (addresses,
+sizes, chunk offsets) are built on the host and cached by the gradients' addresses, which the
+caching allocator keeps stable across iterations.
 """
 
 from __future__ import annotations
@@ -36,16 +39,32 @@ MODE_CHECK, MODE_SQUARES, MODE_MAX, MODE_POWER = 0, 1, 2, 3
 if AVAILABLE:
 
     @triton.jit
-    def _accumulate(x, acc, bad, p, MODE: tl.constexpr):
-        """Fold one block of float32 values into the running norm term and non-finite bits."""
-        bad = bad | ((x - x) != 0).to(tl.int32)  # inf - inf and NaN - NaN are NaN; finite gives 0
-        if MODE == 1:
-            acc += x * x
-        elif MODE == 2:
-            acc = tl.maximum(acc, tl.abs(x))
-        elif MODE == 3:
-            acc += tl.exp2(p * tl.log2(tl.abs(x)))
+    def _accumulate(raw, acc, bad, inv, p, MODE: tl.constexpr, ACC: tl.constexpr):
+        """Fold one block of stored values into the running norm term and the non-finite bits.
+
+        The flag is read off the stored dtype (a float64 1e300 is finite; cast to float32 it would
+        not be). Norm terms are of ``raw * inv``, multiplied before any power, in ``ACC``.
+        """
+        if raw.dtype == tl.float64:
+            exact = raw
+        else:
+            exact = raw.to(tl.float32)  # exact for 16-bit values, inf and NaN included
+        bad = bad | ((exact - exact) != 0).to(tl.int32)  # inf - inf and NaN - NaN are NaN; finite gives 0
+        if MODE != 0:
+            y = raw.to(ACC) * inv
+            if MODE == 1:
+                acc += y * y
+            elif MODE == 2:
+                acc = tl.maximum(acc, tl.abs(y), propagate_nan=tl.PropagateNan.ALL)
+            elif MODE == 3:
+                acc += tl.exp2(p * tl.log2(tl.abs(y)))
         return acc, bad
+
+    @triton.jit
+    def _nan_max(values):
+        """The max of a block, NaN when any lane is NaN (a reduction max may drop NaN; a sum keeps it)."""
+        has_nan = tl.max((values != values).to(tl.int32), axis=0)
+        return tl.where(has_nan > 0, tl.sum(values, axis=0), tl.max(values, axis=0))
 
     @triton.jit
     def _chunk_kernel(
@@ -54,9 +73,12 @@ if AVAILABLE:
         num_tensors,
         partial_ptr,
         flag_ptr,
+        inv_ptr,
         p,
         DTYPE: tl.constexpr,
+        ACC: tl.constexpr,
         MODE: tl.constexpr,
+        HAS_INV: tl.constexpr,
         ALIGNED: tl.constexpr,
         CHUNK_SIZE: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
@@ -71,44 +93,49 @@ if AVAILABLE:
         ptr = tl.load(table_ptr + tensor).to(tl.pointer_type(DTYPE))
         if ALIGNED:
             ptr = tl.multiple_of(ptr, 16)
+        if HAS_INV:
+            inv = tl.load(inv_ptr).to(ACC)
+        else:
+            inv = tl.full((), 1.0, ACC)
         base = (pid - first).to(tl.int64) * CHUNK_SIZE
         count = tl.minimum(numel - base, CHUNK_SIZE)
         full = (count // BLOCK_SIZE) * BLOCK_SIZE
-        acc = tl.zeros((BLOCK_SIZE,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_SIZE,), dtype=ACC)
         bad = tl.zeros((BLOCK_SIZE,), dtype=tl.int32)
         lanes = tl.arange(0, BLOCK_SIZE)
         for start in range(0, full, BLOCK_SIZE):  # whole blocks: unmasked, vectorised loads
-            x = tl.load(ptr + base + start + lanes).to(tl.float32)
-            acc, bad = _accumulate(x, acc, bad, p, MODE)
+            raw = tl.load(ptr + base + start + lanes)
+            acc, bad = _accumulate(raw, acc, bad, inv, p, MODE, ACC)
         tail = full + lanes  # the partial last block of this chunk (empty when count % BLOCK == 0)
-        x = tl.load(ptr + base + tail, mask=tail < count, other=0.0).to(tl.float32)
-        acc, bad = _accumulate(x, acc, bad, p, MODE)
+        raw = tl.load(ptr + base + tail, mask=tail < count, other=0.0)
+        acc, bad = _accumulate(raw, acc, bad, inv, p, MODE, ACC)
         nonfinite = tl.max(bad, axis=0)
         tl.atomic_max(flag_ptr, 1.0, mask=nonfinite > 0)
         if MODE == 2:
-            tl.store(partial_ptr + pid, tl.max(acc, axis=0))
+            tl.store(partial_ptr + pid, _nan_max(acc).to(tl.float64))
         elif MODE != 0:
-            tl.store(partial_ptr + pid, tl.sum(acc, axis=0))
+            tl.store(partial_ptr + pid, tl.sum(acc, axis=0).to(tl.float64))
 
     @triton.jit
     def _tensor_kernel(partial_ptr, offsets_ptr, norms_ptr, p, MODE: tl.constexpr, RBLOCK: tl.constexpr):
         tensor = tl.program_id(0)
         lo = tl.load(offsets_ptr + tensor)
         hi = tl.load(offsets_ptr + tensor + 1)
-        acc = tl.zeros((RBLOCK,), dtype=tl.float32)
+        acc = tl.zeros((RBLOCK,), dtype=tl.float64)
         for start in range(lo, hi, RBLOCK):
             idx = start + tl.arange(0, RBLOCK)
             v = tl.load(partial_ptr + idx, mask=idx < hi, other=0.0)
             if MODE == 2:
-                acc = tl.maximum(acc, v)
+                acc = tl.maximum(acc, v, propagate_nan=tl.PropagateNan.ALL)
             else:
                 acc += v
         if MODE == 2:
-            tl.store(norms_ptr + tensor, tl.max(acc, axis=0))
+            norm = _nan_max(acc)
         elif MODE == 1:
-            tl.store(norms_ptr + tensor, tl.sqrt(tl.sum(acc, axis=0)))
+            norm = tl.sqrt(tl.sum(acc, axis=0))
         else:
-            tl.store(norms_ptr + tensor, tl.exp2(tl.log2(tl.sum(acc, axis=0)) / p))
+            norm = tl.exp2(tl.log2(tl.sum(acc, axis=0)) / p)
+        tl.store(norms_ptr + tensor, norm.to(norms_ptr.dtype.element_ty))
 
     _TRITON_DTYPES = {
         torch.float32: tl.float32,
@@ -172,7 +199,7 @@ def _mode(norm_type: float | None) -> int:
     return MODE_SQUARES if norm_type == 2.0 else MODE_POWER
 
 
-def grad_stats(grads: list[torch.Tensor], norm_type: float | None) -> GradStats:
+def grad_stats(grads: list[torch.Tensor], norm_type: float | None, inv_scale: torch.Tensor | None = None) -> GradStats:
     """See ``gradscaler.kernels.grad_stats``. Tensors must be contiguous; others are read via a copy."""
     parts = [
         [g if g.is_contiguous() else g.contiguous() for g in grads[i : i + MAX_TENSORS]]
@@ -182,35 +209,46 @@ def grad_stats(grads: list[torch.Tensor], norm_type: float | None) -> GradStats:
     if any(t is None for t in tables):  # new gradients inside a graph capture: torch's ops instead
         from gradscaler.kernels import torch_stats
 
-        return torch_stats.grad_stats(grads, norm_type)
-    flag = torch.zeros((), dtype=torch.float32, device=grads[0].device)
+        return torch_stats.grad_stats(grads, norm_type, inv_scale)
+    device = grads[0].device
+    flag = torch.zeros((), dtype=torch.float32, device=device)
     mode = _mode(norm_type)
+    inv = None if inv_scale is None or mode == MODE_CHECK else inv_scale.to(device, non_blocking=True)
     norms = [
-        _launch(part, table, mode, float(norm_type or 0.0), flag)  # type: ignore[arg-type]
+        _launch(part, table, mode, float(norm_type or 0.0), flag, inv)  # type: ignore[arg-type]
         for part, table in zip(parts, tables, strict=True)
     ]
     return GradStats(flag, None if mode == MODE_CHECK else torch.cat(norms))
 
 
-def _launch(grads: list[torch.Tensor], tables: _Tables, mode: int, p: float, flag: torch.Tensor) -> torch.Tensor:
-    device = grads[0].device
-    partial = torch.empty(tables.num_chunks if mode != MODE_CHECK else 1, dtype=torch.float32, device=device)
+def _launch(
+    grads: list[torch.Tensor], tables: _Tables, mode: int, p: float, flag: torch.Tensor, inv: torch.Tensor | None
+) -> torch.Tensor:
+    device, dtype = grads[0].device, grads[0].dtype
+    wide = dtype == torch.float64
+    # Sums of squares and powers accumulate in float64: no overflow for any float32 value, so the
+    # norm is right whatever inv_scale is. Maxima need no widening.
+    acc = tl.float64 if wide or mode in (MODE_SQUARES, MODE_POWER) else tl.float32
+    partial = torch.empty(tables.num_chunks if mode != MODE_CHECK else 1, dtype=torch.float64, device=device)
     _chunk_kernel[(tables.num_chunks,)](
         tables.table,
         tables.offsets,
         len(grads),
         partial,
         flag,
+        flag if inv is None else inv,
         p,
-        DTYPE=_TRITON_DTYPES[grads[0].dtype],
+        DTYPE=_TRITON_DTYPES[dtype],
+        ACC=acc,
         MODE=mode,
+        HAS_INV=inv is not None,
         ALIGNED=tables.aligned,
         CHUNK_SIZE=CHUNK,
         BLOCK_SIZE=BLOCK,
         TABLE_BLOCK=triton.next_power_of_2(len(grads) + 1),
         num_warps=NUM_WARPS,
     )
-    norms = torch.empty(len(grads), dtype=torch.float32, device=device)
+    norms = torch.empty(len(grads), dtype=torch.float64 if wide else torch.float32, device=device)
     if mode != MODE_CHECK:
         _tensor_kernel[(len(grads),)](partial, tables.offsets, norms, p, MODE=mode, RBLOCK=256)
     return norms

@@ -6,7 +6,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-SECTIONS = ("kernel", "step", "iteration")
+SECTIONS = ("kernel", "step", "iteration", "matrix")
+DEFAULT_SECTIONS = ("kernel", "step", "iteration")
 
 
 def _positive_int(text: str) -> int:
@@ -58,8 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--sections",
         type=_sections,
-        default=list(SECTIONS),
-        help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)",
+        default=list(DEFAULT_SECTIONS),
+        help=f"comma-separated subset of {','.join(SECTIONS)} (default: {','.join(DEFAULT_SECTIONS)}; "
+        "matrix: shapes x optimizers x clip with host time, and whole iterations at batch 1)",
+    )
+    bench.add_argument(
+        "--quick", action="store_true", help="run the matrix at toy sizes (seconds; for tests and smoke runs)"
     )
     bench.add_argument("--out", default="bench.json", help="JSON file for every number (default bench.json)")
     return parser
@@ -85,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "bench":
         from gradscaler.tools import bench
 
-        results = bench.run(args.device, args.steps, args.warmup, args.sections)
+        results = bench.run(args.device, args.steps, args.warmup, args.sections, quick=args.quick)
         bench.dump(results, args.out)
         print(bench.format_tables(results))
         print(f"\nnumbers written to {args.out}")
