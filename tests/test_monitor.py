@@ -72,11 +72,11 @@ def test_sparse_and_complex_gradients_are_attributed() -> None:
     assert monitor.nonfinite_parameters() == ["param_groups[0][0] (5, 2)", "param_groups[0][1] (2,)"]
 
 
-def test_last_grad_norms_apply_the_recorded_factor() -> None:
+def test_last_grad_norms_are_labelled() -> None:
     a, b = torch.zeros(3), torch.zeros(2)
     monitor = Monitor()
     monitor.name_parameters([("a", a)])
-    monitor.grad_norms[0] = [([a, b], torch.tensor([8.0, 4.0]), torch.tensor(0.25))]
+    monitor.grad_norms[0] = [([a, b], torch.tensor([2.0, 1.0]))]
     assert monitor.last_grad_norms() == {"a": 2.0, "parameter 1 (2,)": 1.0}
 
 

@@ -188,3 +188,47 @@ def test_optimizer_step_is_called_on_the_same_iterations_as_with_torchs_scaler(m
         return per_iteration
 
     assert calls(GradScaler) == calls(torch.amp.GradScaler)
+
+
+def huge_gradient_run(scaler_cls: type, mode: str, scale: float, stored: float, dtype: torch.dtype, clip: bool):
+    """One step whose stored (scaled) gradients are ``stored``: finite, but their squares overflow float32."""
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64).to(dtype)
+    opt = make_optimizer("adamw", mode, model.parameters())
+    scaler = scaler_cls("cpu", init_scale=scale)
+    scaler.scale(model(torch.ones(1, 64, dtype=dtype)).sum()).backward()
+    for index, param in enumerate(model.parameters()):
+        param.grad = torch.full_like(param, stored * (-1) ** index)
+    if clip and scaler_cls is GradScaler:
+        norm = scaler.clip_grad_norm_(opt, 1.0)
+    elif clip:
+        scaler.unscale_(opt)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    scaler.step(opt)
+    scaler.update()
+    return scaler.get_scale(), [p.detach().clone() for p in model.parameters()], norm if clip else None
+
+
+@pytest.mark.parametrize("mode", ["foreach", "fused"])
+@pytest.mark.parametrize("clip", [False, True], ids=["noclip", "clip"])
+@pytest.mark.parametrize(
+    ("scale", "stored", "dtype"),
+    [
+        (2.0**10, 3e37, torch.float32),  # near float32 max: squares overflow long before
+        (2.0**100, 2e37, torch.float32),  # the largest scale: unscaled values ~1.6e7
+        (2.0**60, 1e20, torch.float32),  # just past the 1.8e19 where a square overflows
+        (2.0**16, 1e300, torch.float64),  # finite float64, inf as float32 (D11)
+    ],
+    ids=["fp32-near-max", "scale-2^100", "fp32-1e20", "fp64-1e300"],
+)
+def test_finite_huge_gradients_step_as_with_torch(mode: str, clip: bool, scale: float, stored: float, dtype) -> None:
+    if clip and mode == "fused" and scale == 2.0**100:
+        pytest.skip("documented limit (docs/migration.md): S / clip_coef = 2**100 * 6e7 exceeds float32")
+    ours = huge_gradient_run(GradScaler, mode, scale, stored, dtype, clip)
+    theirs = huge_gradient_run(torch.amp.GradScaler, mode, scale, stored, dtype, clip)
+    assert ours[0] == theirs[0] == scale, "a finite step was called an overflow (the scale backed off)"
+    for a, b in zip(ours[1], theirs[1], strict=True):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=0.0)
+    if clip:
+        torch.testing.assert_close(ours[2].double(), theirs[2].double(), rtol=1e-5, atol=0.0)

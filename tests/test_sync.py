@@ -1,4 +1,9 @@
-"""No host sync: ``aten._local_scalar_dense`` (what .item(), bool() and float() call) is counted."""
+"""No host sync: ``aten._local_scalar_dense`` (what .item(), bool() and float() call) is counted.
+
+The read pass runs its device-generic torch path here (``GRADSCALER_KERNEL=generic``), the one CUDA
+takes without Triton: the CPU path reads its own results once, which costs nothing on the CPU but
+would hide a host read in the scaler's code.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,11 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradscaler import GradScaler
+
+
+@pytest.fixture(autouse=True)
+def generic_read_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GRADSCALER_KERNEL", "generic")
 
 
 class SyncCounter(TorchDispatchMode):

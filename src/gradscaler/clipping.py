@@ -31,12 +31,14 @@ def check_clip_arguments(max_norm: Any, norm_type: Any) -> float:
 
 
 def total_norm(norms: dict[torch.device, torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
-    """The ``norm_type``-norm of per-tensor norms spread over devices, as a 0-d float32 on ``device``."""
-    parts = [
-        torch.linalg.vector_norm(n, norm_type).to(device, torch.float32, non_blocking=True) for n in norms.values()
-    ]
+    """The ``norm_type``-norm of per-tensor norms spread over devices, as a 0-d tensor on ``device``.
+
+    float32, or float64 when some norms are (those of float64 gradients, which float32 may not hold).
+    """
+    dtype = torch.float64 if any(n.dtype == torch.float64 for n in norms.values()) else torch.float32
+    parts = [torch.linalg.vector_norm(n, norm_type).to(device, dtype, non_blocking=True) for n in norms.values()]
     if not parts:
-        return torch.zeros((), dtype=torch.float32, device=device)
+        return torch.zeros((), dtype=dtype, device=device)
     return parts[0] if len(parts) == 1 else torch.linalg.vector_norm(torch.stack(parts), norm_type)
 
 

@@ -173,17 +173,18 @@ def nonfinite_flags(groups: GradGroups) -> dict[torch.device, torch.Tensor]:
 
 
 def norms_and_check(
-    groups: GradGroups, norm_type: float | None
+    groups: GradGroups, norm_type: float | None, inv_scale: torch.Tensor | None = None
 ) -> tuple[dict[torch.device, torch.Tensor], dict[torch.device, torch.Tensor]]:
-    """Per-tensor ``norm_type``-norms (float32, one 1-d tensor per device) and the flag per device.
+    """Per-tensor ``norm_type``-norms of the gradients times ``inv_scale`` (one 1-d tensor per device) and the flag.
 
-    Norms are of the gradients as stored (still scaled); one read of each gradient gives both.
-    ``norm_type=None`` computes the flags alone (and returns no norms).
+    One read of each gradient gives both; the flag is exact and the norms do not overflow before the
+    multiply by ``inv_scale`` (None: the gradients as stored). ``norm_type=None`` computes the flags
+    alone (and returns no norms).
     """
     flags: dict[torch.device, torch.Tensor] = {}
     norms: dict[torch.device, torch.Tensor] = {}
     for device, by_dtype in groups.items():
-        stats = [grad_stats(grads, norm_type) for grads in by_dtype.values()]
+        stats = [grad_stats(grads, norm_type, inv_scale) for grads in by_dtype.values()]
         flags[device] = combine_flags([s.nonfinite for s in stats])
         parts = [s.norms for s in stats if s.norms is not None]
         if parts:

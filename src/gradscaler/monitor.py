@@ -21,8 +21,8 @@ from gradscaler.errors import COLLAPSE_CAUSES, ScaleCollapseError, ScaleCollapse
 from gradscaler.grads import checkable_view
 
 Logger = Callable[[dict[str, Any]], None]
-NormRecord = tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]
-"""Parameters of one device, their norms as measured (1-d), and the factor that unscales those norms."""
+NormRecord = tuple[list[torch.Tensor], torch.Tensor]
+"""Parameters of one device and the norms of their unscaled gradients (1-d, on the device)."""
 
 ON_COLLAPSE = ("raise", "warn")
 SHOWN_NAMES = 20
@@ -136,8 +136,8 @@ class Monitor:
         """Unscaled per-parameter norms recorded by the last clipping pass of each optimizer (one sync)."""
         out: dict[str, float] = {}
         for records in self.grad_norms.values():
-            for params, norms, factor in records:
-                values = (norms * factor.to(norms.device)).tolist()
+            for params, norms in records:
+                values = norms.tolist()
                 labels = [self.label(p, f"parameter {i}") for i, p in enumerate(params)]
                 out.update(zip(labels, values, strict=True))
         return out

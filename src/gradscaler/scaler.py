@@ -207,8 +207,8 @@ class GradScaler(torch.amp.GradScaler):
     ) -> torch.Tensor:
         """Clip ``optimizer``'s gradients to total ``norm_type``-norm ``max_norm``, scale-aware.
 
-        Returns the total norm of the *unscaled* gradients as a 0-d float32 tensor, without a host
-        sync. One read of every gradient gives the norm and the overflow flag. A fused optimizer
+        Returns the total norm of the *unscaled* gradients as a 0-d float32 tensor (float64 when some
+        gradients are float64), without a host sync. One read of every gradient gives the norm and the overflow flag. A fused optimizer
         receives ``grad_scale = S / clip_coef`` and no gradient is written; other optimizers' gradients
         are multiplied once by ``clip_coef / S``. Replaces ``unscale_`` + ``torch.nn.utils.clip_grad_norm_``.
         """
@@ -225,21 +225,20 @@ class GradScaler(torch.amp.GradScaler):
         hand_off = fused.supports_amp_scaling(optimizer) and not fused.takes_grad_scaler_kwarg(optimizer)
         owners = grads.new_groups()
         groups = grads.group_grads(self._params(optimizer), allow_fp16=hand_off and not unscaled, owners=owners)
-        norms, flags = grads.norms_and_check(groups, norm_type)
+        inv_scale = None if unscaled else self._inv_scale()
+        norms, flags = grads.norms_and_check(groups, norm_type, inv_scale)  # norms of the unscaled gradients
         if not unscaled:
             self._record_found_inf(optimizer, record, flags)
         total = self._total_norm(optimizer, norms, owners, norm_type)
-        inv_scale = torch.ones((), device=scale.device) if unscaled else self._inv_scale()
-        total = total * inv_scale
         self._monitor.grad_norms[id(optimizer)] = [
-            ([p for params in owners[device].values() for p in params], device_norms, inv_scale)
+            ([p for params in owners[device].values() for p in params], device_norms)
             for device, device_norms in norms.items()
         ]
         coef = clipping.clip_coefficient(total, max_norm)
         if hand_off and not unscaled:
-            record["grad_scale"] = scale / coef * getattr(optimizer, "grad_scale", 1)
+            record["grad_scale"] = (scale / coef * getattr(optimizer, "grad_scale", 1)).float()
         else:
-            factor = coef * inv_scale
+            factor = coef if inv_scale is None else coef * inv_scale
             clipping.scale_grads_(groups, factor)
             record["grads_factor"] = factor * record["grads_factor"] if "grads_factor" in record else factor
         record["stage"] = OptState.UNSCALED

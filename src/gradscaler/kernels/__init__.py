@@ -3,7 +3,10 @@
 ``grad_stats`` is the only entry point. On CUDA with Triton installed it runs the multi-tensor Triton
 kernel (two launches for any number of tensors); elsewhere the torch implementation, which picks the
 fastest read-only torch op per norm type. ``GRADSCALER_KERNEL=torch`` forces the torch path,
-``GRADSCALER_KERNEL=triton`` forces Triton (on the CPU too, under ``TRITON_INTERPRET=1``).
+``GRADSCALER_KERNEL=triton`` forces Triton (on the CPU too, under ``TRITON_INTERPRET=1``), and
+``GRADSCALER_KERNEL=generic`` the device-generic torch path on the CPU too: the path CUDA takes
+without Triton, which reads nothing back to the host (the CPU path reads its results once, free
+there); ``tests/test_sync.py`` uses it to prove that the scaler's own code makes no host read.
 """
 
 from __future__ import annotations

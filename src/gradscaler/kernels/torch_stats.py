@@ -28,6 +28,7 @@ it (NaN propagates through the sum): flag = ``not isfinite(inf-norm) or isnan(p-
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -178,6 +179,6 @@ def _generic(grads: list[torch.Tensor], norm_type: float | None, inv_scale: torc
 
 def grad_stats(grads: list[torch.Tensor], norm_type: float | None, inv_scale: torch.Tensor | None = None) -> GradStats:
     """See ``gradscaler.kernels.grad_stats``."""
-    if grads[0].device.type == "cpu":
+    if grads[0].device.type == "cpu" and os.environ.get("GRADSCALER_KERNEL") != "generic":
         return _cpu(grads, norm_type, inv_scale)
     return _generic(grads, norm_type, inv_scale)
