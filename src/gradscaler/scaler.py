@@ -208,9 +208,10 @@ class GradScaler(torch.amp.GradScaler):
         """Clip ``optimizer``'s gradients to total ``norm_type``-norm ``max_norm``, scale-aware.
 
         Returns the total norm of the *unscaled* gradients as a 0-d float32 tensor (float64 when some
-        gradients are float64), without a host sync. One read of every gradient gives the norm and the overflow flag. A fused optimizer
-        receives ``grad_scale = S / clip_coef`` and no gradient is written; other optimizers' gradients
-        are multiplied once by ``clip_coef / S``. Replaces ``unscale_`` + ``torch.nn.utils.clip_grad_norm_``.
+        gradients are float64), without a host sync. One read of every gradient gives the norm and
+        the overflow flag. A fused optimizer receives ``grad_scale = S / clip_coef`` and no gradient is
+        written; other optimizers' gradients are multiplied once by ``clip_coef / S``. Replaces
+        ``unscale_`` + ``torch.nn.utils.clip_grad_norm_``.
         """
         norm_type = clipping.check_clip_arguments(max_norm, norm_type)
         if not self._enabled:
