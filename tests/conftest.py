@@ -12,6 +12,17 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(autouse=True)
+def torch_left_unpatched():
+    """Every test must leave torch's GradScaler spellings as it found them (gradscaler.patch_torch)."""
+    import gradscaler
+
+    yield
+    patched = gradscaler.drop_in.is_torch_patched()
+    gradscaler.unpatch_torch()
+    assert not patched, "the test left torch patched: undo gradscaler.patch_torch() (or use it as a context manager)"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return
