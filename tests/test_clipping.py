@@ -166,3 +166,15 @@ def test_check_clip_arguments(max_norm: object, norm_type: object, error: type) 
     with pytest.raises(error):
         check_clip_arguments(max_norm, norm_type)
     assert check_clip_arguments(1, 2) == 2.0
+
+
+def test_global_norm_splits_shards_from_whole_tensors_and_combines_them() -> None:
+    """Without a process group the reduction is a no-op: the result is the norm of every tensor."""
+    from gradscaler.clipping import global_norm
+
+    cpu = torch.device("cpu")
+    norms = {cpu: torch.tensor([3.0, 4.0, 12.0])}
+    for sharded in ([True, True, True], [True, False, True], [False, False, False]):
+        got = global_norm(norms, {cpu: sharded}, 2.0, cpu, None)
+        assert got.item() == pytest.approx(13.0)
+    assert global_norm(norms, {cpu: [False, True, False]}, float("inf"), cpu, None).item() == 12.0

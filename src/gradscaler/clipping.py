@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from gradscaler import distributed
 from gradscaler.grads import GradGroups
 
 CLIP_EPSILON = 1e-6
@@ -40,6 +41,31 @@ def total_norm(norms: dict[torch.device, torch.Tensor], norm_type: float, device
     if not parts:
         return torch.zeros((), dtype=dtype, device=device)
     return parts[0] if len(parts) == 1 else torch.linalg.vector_norm(torch.stack(parts), norm_type)
+
+
+def global_norm(
+    norms: dict[torch.device, torch.Tensor],
+    sharded: dict[torch.device, list[bool]],
+    norm_type: float,
+    device: torch.device,
+    group: Any | None,
+) -> torch.Tensor:
+    """The norm over every rank of ``group``: shards' norms reduced over it, whole tensors counted once.
+
+    ``sharded[d][i]`` says whether tensor ``i`` of ``norms[d]`` is a shard (each rank holds part of
+    it) or whole on every rank (a plain or Replicate gradient, which a sum over ranks would count once
+    per rank). Every rank must call this with the same layout: it issues one collective.
+    """
+    if all(all(flags) for flags in sharded.values()):  # FSDP2: every gradient is a shard
+        return distributed.reduce_norm_(total_norm(norms, norm_type, device), norm_type, group)
+    shards: dict[torch.device, torch.Tensor] = {}
+    whole: dict[torch.device, torch.Tensor] = {}
+    for dev, device_norms in norms.items():
+        mask = torch.tensor(sharded[dev], dtype=torch.bool).to(dev, non_blocking=True)
+        shards[dev], whole[dev] = device_norms[mask], device_norms[~mask]
+    reduced = distributed.reduce_norm_(total_norm(shards, norm_type, device), norm_type, group)
+    rest = total_norm(whole, norm_type, device)
+    return total_norm({device: torch.stack([reduced, rest])}, norm_type, device)
 
 
 def clip_coefficient(total: torch.Tensor, max_norm: float) -> torch.Tensor:

@@ -541,20 +541,11 @@ class GradScaler(torch.amp.GradScaler):
         group = self._agreement_group(optimizer)
         if group is None or self._process_group is not None:
             return distributed.reduce_norm_(clipping.total_norm(norms, norm_type, device), norm_type, group)
-        masks = {
+        sharded = {
             dev: [distributed.is_sharded(p.grad) for params in owners[dev].values() for p in params]  # type: ignore[arg-type]
             for dev in norms
         }
-        if all(all(mask) for mask in masks.values()):  # FSDP2: every gradient is a shard
-            return distributed.reduce_norm_(clipping.total_norm(norms, norm_type, device), norm_type, group)
-        sharded: dict[torch.device, torch.Tensor] = {}
-        whole: dict[torch.device, torch.Tensor] = {}
-        for dev, device_norms in norms.items():
-            mask = torch.tensor(masks[dev], dtype=torch.bool).to(dev, non_blocking=True)
-            sharded[dev], whole[dev] = device_norms[mask], device_norms[~mask]
-        parts = distributed.reduce_norm_(clipping.total_norm(sharded, norm_type, device), norm_type, group)
-        rest = clipping.total_norm(whole, norm_type, device)
-        return clipping.total_norm({device: torch.stack([parts, rest])}, norm_type, device)
+        return clipping.global_norm(norms, sharded, norm_type, device, group)
 
     def _params(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
         """``optimizer``'s parameters, cached between iterations (see ``grads.ParamList``)."""

@@ -88,11 +88,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _check_device(parser, args.device)
     if args.command == "bench":
-        from gradscaler.tools import bench
+        import torch
 
-        results = bench.run(args.device, args.steps, args.warmup, args.sections, quick=args.quick)
+        from gradscaler.tools import bench, matrix
+
+        results = bench.run(args.device, args.steps, args.warmup, args.sections)
+        if "matrix" in args.sections:
+            device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+            results["matrix"] = matrix.matrix_section(device, args.steps, args.warmup, args.quick, print)
+            results["matrix"]["quick"] = args.quick
         bench.dump(results, args.out)
-        print(bench.format_tables(results))
+        print("\n".join([bench.format_tables(results), *matrix.format_matrix(results.get("matrix"))]))
         print(f"\nnumbers written to {args.out}")
         return 0
     from gradscaler.tools import demo
