@@ -12,3 +12,5 @@ GRADSCALER_REQUIRE_CUDA=1 python3 -m pytest -q -p no:cacheprovider -o addopts=""
     2>&1 | tee "$out/tests.log" | tail -25
 python3 benchmarks/tune_kernel.py 2>&1 | tee "$out/tune.txt"
 python3 -m gradscaler bench --steps "${BENCH_STEPS:-40}" --warmup 5 --out "$out/bench.json" 2>&1 | tee "$out/bench.txt"
+# The matrix (issue 12): shapes x optimizers x clip with host time, and whole iterations at batch 1.
+python3 -m gradscaler bench --sections matrix --steps 11 --warmup 2 --out "$out/matrix.json" 2>&1 | tee "$out/matrix.txt"
