@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 
 import pytest
 import torch
@@ -232,3 +233,74 @@ def test_finite_huge_gradients_step_as_with_torch(mode: str, clip: bool, scale: 
         torch.testing.assert_close(a, b, rtol=1e-5, atol=0.0)
     if clip:
         torch.testing.assert_close(ours[2].double(), theirs[2].double(), rtol=1e-5, atol=0.0)
+
+
+# Any sequence of public calls and loads keeps the scale finite and inside its bounds, and a refused
+# call leaves state_dict() unchanged.
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+ACTIONS = st.sampled_from(
+    [
+        "clean_step",
+        "inf_step",
+        "clip_step",
+        "update_new_scale",
+        "update_bad_scale",
+        "load_own",
+        "load_tiny",
+        "load_bad",
+        "set_good",
+        "set_bad",
+    ]
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    actions=st.lists(ACTIONS, min_size=1, max_size=25), hysteresis=st.integers(1, 3), low=st.sampled_from([None, 1.0])
+)
+def test_any_sequence_of_calls_keeps_the_scale_in_bounds(
+    actions: list[str], hysteresis: int, low: float | None
+) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = make_optimizer("sgd", "fused", model.parameters())
+    scaler = GradScaler("cpu", init_scale=2.0**4, growth_interval=2, hysteresis=hysteresis, min_scale=low,
+                        max_scale=2.0**8, collapse_patience=None)  # fmt: skip
+    for step, action in enumerate(actions):
+        before = scaler.state_dict()
+        refused = False
+        try:
+            if action.endswith("_step"):
+                opt.zero_grad()
+                backward(model, scaler, seed=step)
+                if action == "inf_step":
+                    model.weight.grad[0, 0] = float("nan")
+                if action == "clip_step":
+                    scaler.clip_grad_norm_(opt, 0.5)
+                scaler.step(opt)
+                scaler.update()
+            elif action == "update_new_scale":
+                backward(model, scaler, seed=step)
+                scaler.update(2.0**30)  # above max_scale: clamped
+            elif action == "update_bad_scale":
+                backward(model, scaler, seed=step)
+                scaler.update(float("inf"))
+            elif action == "load_own":
+                scaler.load_state_dict(scaler.state_dict())
+            elif action == "load_tiny":
+                scaler.load_state_dict({**scaler.state_dict(), "scale": 1e-45})
+            elif action == "load_bad":
+                scaler.load_state_dict({**scaler.state_dict(), "_hysteresis_tracker": hysteresis + 1})
+            elif action == "set_good":
+                scaler.set_backoff_factor(0.25)
+            elif action == "set_bad":
+                scaler.set_growth_interval(0)
+        except (ValueError, TypeError):
+            refused = True
+        if refused:
+            assert scaler.state_dict() == before, action
+        scale = scaler.get_scale()
+        assert math.isfinite(scale) and scaler._rule.lower <= scale <= scaler._rule.upper, (action, scale)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
