@@ -38,7 +38,27 @@ _CPU_DEPRECATION = (
 )
 
 
-class CudaAmpGradScaler(GradScaler):
+class _DevicelessSpelling(GradScaler):
+    """torch's device-less constructor (``torch.cuda.amp`` / ``torch.cpu.amp``) on a fixed device."""
+
+    _spelled_device = "cuda"
+    _deprecation = ""
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        **options: Any,
+    ) -> None:
+        warnings.warn(self._deprecation, FutureWarning, stacklevel=2)
+        device = self._spelled_device
+        super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled, **options)
+
+
+class CudaAmpGradScaler(_DevicelessSpelling):
     """What ``torch.cuda.amp.GradScaler`` builds while patched: gradscaler's scaler on ``"cuda"``.
 
     Takes torch's ``torch.cuda.amp.GradScaler`` arguments (no device) and warns torch's
@@ -47,37 +67,19 @@ class CudaAmpGradScaler(GradScaler):
     as torch's does.
     """
 
-    def __init__(
-        self,
-        init_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
-        enabled: bool = True,
-        **options: Any,
-    ) -> None:
-        warnings.warn(_CUDA_DEPRECATION, FutureWarning, stacklevel=2)
-        super().__init__("cuda", init_scale, growth_factor, backoff_factor, growth_interval, enabled, **options)
+    _spelled_device = "cuda"
+    _deprecation = _CUDA_DEPRECATION
 
 
-class CpuAmpGradScaler(GradScaler):
+class CpuAmpGradScaler(_DevicelessSpelling):
     """What ``torch.cpu.amp.GradScaler`` builds while patched: gradscaler's scaler on ``"cpu"``.
 
     Takes torch's ``torch.cpu.amp.GradScaler`` arguments (no device) and warns torch's
     ``FutureWarning`` about that spelling; gradscaler's keyword-only options are accepted too.
     """
 
-    def __init__(
-        self,
-        init_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
-        enabled: bool = True,
-        **options: Any,
-    ) -> None:
-        warnings.warn(_CPU_DEPRECATION, FutureWarning, stacklevel=2)
-        super().__init__("cpu", init_scale, growth_factor, backoff_factor, growth_interval, enabled, **options)
+    _spelled_device = "cpu"
+    _deprecation = _CPU_DEPRECATION
 
 
 # (module, attribute, replacement): every place torch binds a GradScaler class under a public name.

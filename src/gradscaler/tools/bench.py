@@ -225,13 +225,21 @@ class _StepVariant:
         if self.scaler is None:
             self.opt.step()
             return
-        if self.clip and self.name == "torch":
-            self.scaler.unscale_(self.opt)
-            torch.nn.utils.clip_grad_norm_(self.params, 1.0)
-        elif self.clip:
-            self.scaler.clip_grad_norm_(self.opt, 1.0)
-        self.scaler.step(self.opt)
-        self.scaler.update()
+        step_phase(self.scaler, self.opt, self.params, self.clip)
+
+
+def step_phase(
+    scaler: torch.amp.GradScaler, opt: torch.optim.Optimizer, params: Sequence[torch.Tensor], clip: bool
+) -> None:
+    """The step phase as each scaler's users write it: torch's ``unscale_`` + ``clip_grad_norm_``
+    recipe, or gradscaler's one-pass ``clip_grad_norm_``; then ``step`` and ``update``."""
+    if clip and isinstance(scaler, GradScaler):
+        scaler.clip_grad_norm_(opt, 1.0)
+    elif clip:
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+    scaler.step(opt)
+    scaler.update()
 
 
 def compare(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> str:

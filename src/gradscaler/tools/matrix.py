@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from gradscaler import GradScaler
-from gradscaler.tools.bench import BUSY_MS, SCALE, compare, count_params, gpt2_shapes, spread, timer
+from gradscaler.tools.bench import BUSY_MS, SCALE, compare, count_params, gpt2_shapes, spread, step_phase, timer
 from gradscaler.tools.toy_model import TinyGPT
 
 OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
@@ -77,13 +77,7 @@ class _MatrixRun:
             p.grad.copy_(g)  # type: ignore[union-attr]
 
     def step(self) -> None:
-        if self.clip and self.name == "torch":
-            self.scaler.unscale_(self.opt)
-            torch.nn.utils.clip_grad_norm_(self.params, 1.0)
-        elif self.clip:
-            self.scaler.clip_grad_norm_(self.opt, 1.0)
-        self.scaler.step(self.opt)
-        self.scaler.update()
+        step_phase(self.scaler, self.opt, self.params, self.clip)
 
 
 def _interleave(
