@@ -280,7 +280,7 @@ def iteration_section(device: torch.device, steps: int, warmup: int) -> list[dic
         for i in range(warmup + steps):
             for name, (model, opt, scaler) in runs.items():
                 tokens = data[i % len(data)]
-                step = functools.partial(_iteration, model, opt, scaler, name, tokens, device, losses[name], clip)
+                step = functools.partial(_iteration, model, opt, scaler, tokens, device, losses[name], clip)
                 ms = timed(step)
                 scales[name].append(scaler.get_scale())  # after the timed call: its sync is not timed
                 if i >= warmup:
@@ -316,7 +316,6 @@ def _iteration(
     model: nn.Module,
     opt: torch.optim.Optimizer,
     scaler: Any,
-    name: str,
     tokens: torch.Tensor,
     device: torch.device,
     losses: list[torch.Tensor],
@@ -328,13 +327,7 @@ def _iteration(
     loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
     losses.append(loss.detach())
     scaler.scale(loss).backward()
-    if clip and name == "torch":
-        scaler.unscale_(opt)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    elif clip:
-        scaler.clip_grad_norm_(opt, 1.0)
-    scaler.step(opt)
-    scaler.update()
+    step_phase(scaler, opt, list(model.parameters()), clip)
 
 
 def environment(device: torch.device) -> dict[str, Any]:

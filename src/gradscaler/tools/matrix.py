@@ -199,13 +199,7 @@ def whole_iteration_rows(device: torch.device, steps: int, warmup: int, quick: b
                 scaler.scale(loss).backward()
                 sync()
                 middle = time.perf_counter()
-                if clip and name == "torch":
-                    scaler.unscale_(opt)
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                elif clip:
-                    scaler.clip_grad_norm_(opt, 1.0)
-                scaler.step(opt)
-                scaler.update()
+                step_phase(scaler, opt, list(model.parameters()), clip)
                 sync()
                 end = time.perf_counter()
                 scales[name].append(scaler.get_scale())
