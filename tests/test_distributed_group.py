@@ -118,7 +118,7 @@ def test_one_lookup_per_mesh_and_placements() -> None:
     assert mesh.lookups == 1
 
 
-def test_dtensor_group_is_unchanged() -> None:
+def test_dtensor_group_of_one_tensor() -> None:
     mesh = FakeMesh("m", (2, 2))
     assert distributed.dtensor_group(torch.ones(1)) is None
     assert distributed.dtensor_group(dtensor(mesh, Replicate(), Shard(0))) is mesh.groups[1]

@@ -17,29 +17,17 @@ import torch.distributed as dist
 
 
 def dtensor_group(tensor: torch.Tensor) -> Any | None:
-    """The process group that shards ``tensor`` when it is a DTensor with a sharded placement."""
+    """The process group that shards ``tensor``: a DTensor sharded over a mesh dimension of more than
+    one rank; None for plain tensors, Replicate-only DTensors and shards over a one-rank dimension."""
     mesh = getattr(tensor, "device_mesh", None)
     placements = getattr(tensor, "placements", None)
     if mesh is None or placements is None:
         return None
-    dims = [i for i, placement in enumerate(placements) if placement.is_shard()]
-    if not dims:
-        return None
-    if len(dims) == 1 and mesh.ndim > 1:
-        return mesh.get_group(dims[0])
-    if mesh.ndim == 1:
-        return mesh.get_group()
-    raise NotImplementedError(
-        "DTensor gradients sharded over several mesh dimensions need an explicit process_group: "
-        f"placements {placements!r} on a {mesh.ndim}-d mesh."
-    )
+    return _shard_group(mesh, placements)
 
 
 def _shard_group(mesh: Any, placements: Any) -> Any | None:
-    """``dtensor_group`` for a DTensor's mesh and placements, ignoring mesh dimensions of size 1.
-
-    A shard over a mesh dimension of one rank is the whole tensor: it needs no agreement with anyone.
-    """
+    """``dtensor_group`` from a DTensor's mesh and placements (a shard over one rank is the whole tensor)."""
     dims = [i for i, placement in enumerate(placements) if placement.is_shard() and mesh.size(i) > 1]
     if not dims:
         return None
@@ -118,11 +106,7 @@ def agreement_group(grads: Iterable[torch.Tensor], explicit: Any | None = None) 
 
 def is_sharded(grad: torch.Tensor) -> bool:
     """Whether ``grad`` is a DTensor sharded over a mesh dimension of more than one rank (each rank holds part)."""
-    if type(grad) is torch.Tensor:
-        return False
-    mesh = getattr(grad, "device_mesh", None)
-    placements = getattr(grad, "placements", None)
-    return mesh is not None and placements is not None and _shard_group(mesh, placements) is not None
+    return type(grad) is not torch.Tensor and dtensor_group(grad) is not None
 
 
 def agree_on_flag_(flag: torch.Tensor, group: Any | None) -> torch.Tensor:

@@ -55,7 +55,7 @@ def has_fresh_state(optimizer: torch.optim.Optimizer) -> bool:
     state = optimizer.state
     if len(state) >= sum(len(group["params"]) for group in optimizer.param_groups):
         return any(not s for s in state.values())  # every parameter has an entry: O(params) only if one is empty
-    return any(p.grad is not None and not state.get(p) for p in iter_params(optimizer))
+    return bool(params_without_state(optimizer))
 
 
 def params_without_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -89,8 +89,8 @@ class ScaleRule:
         hysteresis = integer("hysteresis", self.hysteresis, 1, INT32_MAX)
         if self.hysteresis_refill not in REFILL_MODES:
             raise ValueError(f"hysteresis_refill must be one of {REFILL_MODES}, got {self.hysteresis_refill!r}.")
-        bounds = [None if b is None else positive_finite(n, b) for n, b in self._bounds()]
-        low, high = bounds
+        low = None if self.min_scale is None else positive_finite("min_scale", self.min_scale)
+        high = None if self.max_scale is None else positive_finite("max_scale", self.max_scale)
         if low is not None and low > FLOAT32_MAX:
             raise ValueError(f"min_scale must be <= float32 max ({FLOAT32_MAX:g}), got {self.min_scale!r}.")
         if high is not None and high < SCALE_FLOOR:
@@ -110,9 +110,6 @@ class ScaleRule:
             raise ValueError(
                 f"min_scale ({self.min_scale!r}) and max_scale ({self.max_scale!r}) hold no float32 value between them."
             )
-
-    def _bounds(self) -> list[tuple[str, Any]]:
-        return [("min_scale", self.min_scale), ("max_scale", self.max_scale)]
 
     def with_changes(self, **changes: Any) -> ScaleRule:
         """A new rule with ``changes`` applied, validated like any other."""

@@ -198,7 +198,7 @@ class GradScaler(torch.amp.GradScaler):
         self._check_stage(record, "unscale_()")
         inv_scale = self._inv_scale()
         per_device = grads.unscale_and_check_(grads.group_grads(self._params(optimizer), allow_fp16=False), inv_scale)
-        self._record_found_inf(optimizer, record, per_device)
+        self._record_found_inf(optimizer, record, per_device, self._agreement_group(optimizer))
         record["grads_factor"] = inv_scale
         record["stage"] = OptState.UNSCALED
 
@@ -228,9 +228,10 @@ class GradScaler(torch.amp.GradScaler):
         groups = grads.group_grads(self._params(optimizer), allow_fp16=hand_off and not unscaled, owners=owners)
         inv_scale = None if unscaled else self._inv_scale()
         norms, flags = grads.norms_and_check(groups, norm_type, inv_scale)  # norms of the unscaled gradients
+        group = self._agreement_group(optimizer)  # one walk over the gradients for the flag and the norm
         if not unscaled:
-            self._record_found_inf(optimizer, record, flags)
-        total = self._total_norm(optimizer, norms, owners, norm_type)
+            self._record_found_inf(optimizer, record, flags, group)
+        total = self._total_norm(norms, owners, norm_type, group)
         self._monitor.grad_norms[id(optimizer)] = [
             ([p for params in owners[device].values() for p in params], device_norms)
             for device, device_norms in norms.items()
@@ -525,10 +526,10 @@ class GradScaler(torch.amp.GradScaler):
 
     def _total_norm(
         self,
-        optimizer: torch.optim.Optimizer,
         norms: dict[torch.device, torch.Tensor],
         owners: grads.GradGroups,
         norm_type: float,
+        group: Any | None,
     ) -> torch.Tensor:
         """The norm of all of ``optimizer``'s gradients on every rank: shards' norms reduced, whole tensors once.
 
@@ -538,7 +539,6 @@ class GradScaler(torch.amp.GradScaler):
         """
         assert self._scale is not None
         device = self._scale.device
-        group = self._agreement_group(optimizer)
         if group is None or self._process_group is not None:
             return distributed.reduce_norm_(clipping.total_norm(norms, norm_type, device), norm_type, group)
         sharded = {
@@ -555,13 +555,17 @@ class GradScaler(torch.amp.GradScaler):
         return cached.of(optimizer)
 
     def _record_found_inf(
-        self, optimizer: torch.optim.Optimizer, record: OptimizerRecord, per_device: dict[torch.device, torch.Tensor]
+        self,
+        optimizer: torch.optim.Optimizer,
+        record: OptimizerRecord,
+        per_device: dict[torch.device, torch.Tensor],
+        group: Any | None,
     ) -> torch.Tensor:
-        """Store the per-device flags and their agreed combination (on the scale's device, all ranks)."""
+        """Store the per-device flags and their combination, agreed over ``group`` (on the scale's device)."""
         scale, _ = self._check_scale_growth_tracker("step")
         flags = [flag.to(scale.device, non_blocking=True) for flag in per_device.values()]
         combined = grads.combine_flags(flags) if flags else torch.zeros((), dtype=torch.float32, device=scale.device)
-        distributed.agree_on_flag_(combined, self._agreement_group(optimizer))
+        distributed.agree_on_flag_(combined, group)
         record["found_inf_per_device"] = per_device
         record["found_inf"] = combined
         record["optimizer"] = weakref.ref(optimizer)
@@ -637,9 +641,8 @@ class GradScaler(torch.amp.GradScaler):
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:  # type: ignore[override]
         self._check_scale_growth_tracker("_check_inf_per_device")
         record = self._per_optimizer_states[id(optimizer)]
-        self._record_found_inf(
-            optimizer, record, grads.nonfinite_flags(grads.group_grads(self._params(optimizer), allow_fp16=True))
-        )
+        groups = grads.group_grads(self._params(optimizer), allow_fp16=True)
+        self._record_found_inf(optimizer, record, grads.nonfinite_flags(groups), self._agreement_group(optimizer))
         return record["found_inf_per_device"]
 
     def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:  # type: ignore[override]
