@@ -219,3 +219,18 @@ def test_cpu_small_tensor_route_keeps_order_and_flag(p: float | None, dtype: tor
         assert float(torch_stats.grad_stats(spoiled, p).nonfinite) == 1.0
         spoiled[where].view(-1)[-1] = 1e30  # finite, squares overflow float32
         assert float(torch_stats.grad_stats(spoiled, p).nonfinite) == 0.0
+
+
+@pytest.mark.parametrize("impl", IMPLS, ids=IMPL_IDS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_half_precision_sums_that_overflow_are_not_flags(impl, dtype: torch.dtype) -> None:
+    """The CPU route sums float16 chunks: chunks of large finite values overflow the sum, not the check."""
+    top = torch.finfo(dtype).max
+    tensors = [
+        torch.full((8192,), top, dtype=dtype, device=DEVICE),
+        torch.full((3000, 3), -top, dtype=dtype, device=DEVICE).t(),  # not contiguous, no power-of-two chunk
+        torch.full((5,), top, dtype=dtype, device=DEVICE),
+    ]
+    assert float(impl.grad_stats(tensors, None).nonfinite) == 0.0
+    tensors[1][2, 2999] = math.nan
+    assert float(impl.grad_stats(tensors, None).nonfinite) == 1.0

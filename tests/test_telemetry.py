@@ -7,10 +7,12 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from gradscaler import GradScaler, JsonLinesLogger
-from gradscaler.telemetry import SATURATE
+from gradscaler.telemetry import SATURATE, make_telemetry
 
 
 def steps(scaler: GradScaler, flags: list[bool], fused: bool = False) -> tuple[torch.optim.Optimizer, list[bool]]:
@@ -128,3 +130,36 @@ def test_last_grad_norms_come_from_the_clipping_pass() -> None:
     assert got.keys() == expected.keys()
     for name, value in expected.items():
         assert got[name] == pytest.approx(value, rel=1e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.booleans(), st.sampled_from([0.5, 1.0, 2.0, 4.0]), st.sampled_from([0.5, 1.0, 2.0, 4.0]))),
+    st.integers(1, 5),
+    st.lists(st.integers(0, SATURATE), min_size=5, max_size=5),
+)
+def test_host_and_device_keepers_agree(
+    records: list[tuple[bool, float, float]], history: int, start: list[int]
+) -> None:  # noqa: E501
+    """The CPU keeper (Python numbers) and the device keeper (tensor ops) count and remember the same."""
+    device = torch.device("cpu")
+    keepers = [make_telemetry(device, history, start, on_host=on_host) for on_host in (True, False)]
+    lower = 1.0
+    for found, before, after in records:
+        flag, scale = torch.tensor(float(found)), torch.full((), before)
+        for keeper in keepers:
+            kept = keeper.before(scale)
+            keeper.record_(flag, kept, torch.full((), after), lower)
+        host, device_kept = (k.read() for k in keepers)
+        assert host == device_kept
+        assert keepers[0].landed() == keepers[1].landed()
+    assert keepers[0].histories() == keepers[1].histories()
+    assert len(keepers[0].histories()[0]) == min(len(records), history)
+    expected = list(start)  # the rule in words: runs reset on a record without their event
+    for found, before, after in records:
+        expected[0] = min(expected[0] + found, SATURATE)
+        expected[1] = min(expected[1] + 1, SATURATE) if found else 0
+        expected[2] = min(expected[2] + (after > before), SATURATE)
+        expected[3] = min(expected[3] + (after < before), SATURATE)
+        expected[4] = min(expected[4] + 1, SATURATE) if found and before <= lower else 0
+    assert list(keepers[0].read().values()) == expected

@@ -51,6 +51,9 @@ def _describe(index: int, mesh: Any, placements: Any, ranks: list[int] | None) -
     return f"gradient #{index} ({', '.join(map(repr, placements))} on {mesh!r}) reduces over {over}"
 
 
+_NEVER_SHARDED = {torch.Tensor, type(None)}
+
+
 def agreement_group(grads: Iterable[torch.Tensor], explicit: Any | None = None) -> Any | None:
     """The process group over which the overflow flag (and clip norm) of these gradients must be reduced.
 
@@ -65,17 +68,20 @@ def agreement_group(grads: Iterable[torch.Tensor], explicit: Any | None = None) 
             dimensions): no single reduction makes every rank agree, the user must pass one.
         NotImplementedError: a gradient is sharded over several mesh dimensions (see ``dtensor_group``).
 
-    Cost: one ``type(g) is torch.Tensor`` test per plain gradient; DTensor gradients that share a mesh
-    and placements are resolved once per call.
+    Cost: one C-level pass over the types when every gradient is a plain tensor (or None); DTensor
+    gradients that share a mesh and placements are resolved once per call.
     """
     if explicit is not None:
         return explicit
+    grads = list(grads)
+    if set(map(type, grads)) <= _NEVER_SHARDED:
+        return None
     plain = torch.Tensor
     found: Any | None = None
     found_at: tuple[int, Any, Any] | None = None
     resolved: dict[tuple[int, Any], Any | None] = {}
     for index, grad in enumerate(grads):
-        if type(grad) is plain:
+        if type(grad) is plain or grad is None:
             continue
         mesh = getattr(grad, "device_mesh", None)
         placements = getattr(grad, "placements", None)

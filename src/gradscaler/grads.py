@@ -77,7 +77,8 @@ class ParamList:
         return self._params
 
 
-_GRAD = operator.attrgetter("grad")
+GRAD = operator.attrgetter("grad")
+"""``GRAD(p)`` is ``p.grad``; ``map(GRAD, params)`` reads every gradient at C speed."""
 
 
 def group_grads(params: Sequence[torch.Tensor], *, allow_fp16: bool, owners: GradGroups | None = None) -> GradGroups:
@@ -90,7 +91,7 @@ def group_grads(params: Sequence[torch.Tensor], *, allow_fp16: bool, owners: Gra
     May replace a sparse float16 ``.grad`` by its coalesced copy. Dense plain gradients, the common
     case, are grouped by torch's C++ helper; sparse, complex and DTensor ones take the slow path.
     """
-    grads: list[torch.Tensor] = list(map(_GRAD, params))
+    grads: list[torch.Tensor] = list(map(GRAD, params))
     if any(map(operator.is_, grads, repeat(None))):
         params = [p for p, g in zip(params, grads, strict=True) if g is not None]
         grads = [g for g in grads if g is not None]
@@ -102,31 +103,32 @@ def group_grads(params: Sequence[torch.Tensor], *, allow_fp16: bool, owners: Gra
         dense_params = [p for i, p in enumerate(params) if i not in skip]
         grads = [g for i, g in enumerate(grads) if i not in skip]
     groups = new_groups()
-    with torch.no_grad():
-        if grads:
-            grouped = torch._C._group_tensors_by_device_and_dtype([grads], owners is not None)  # type: ignore[list-item]
-            for (device, dtype), (tensor_lists, indices) in grouped.items():
-                tensors: list[torch.Tensor] = tensor_lists[0]  # type: ignore[assignment]
-                if dtype.is_complex:
-                    tensors = [torch.view_as_real(t) for t in tensors]
-                    dtype = tensors[0].dtype
-                elif dtype == torch.float16 and not allow_fp16:
-                    raise ValueError(FP16_GRADS_MESSAGE)
-                groups[device][dtype].extend(tensors)
-                if owners is not None:
-                    owners[device][dtype].extend(dense_params[i] for i in indices)
-        for param in (params[i] for i in special):
-            grad = param.grad
-            assert grad is not None
-            if grad.dtype == torch.float16 and not allow_fp16:
+    if grads:
+        grouped = torch._C._group_tensors_by_device_and_dtype([grads], owners is not None)  # type: ignore[list-item]
+        for (device, dtype), (tensor_lists, indices) in grouped.items():
+            tensors: list[torch.Tensor] = tensor_lists[0]  # type: ignore[assignment]
+            if dtype.is_complex:
+                tensors = [torch.view_as_real(t) for t in tensors]
+                dtype = tensors[0].dtype
+            elif dtype == torch.float16 and not allow_fp16:
                 raise ValueError(FP16_GRADS_MESSAGE)
-            if grad.is_sparse and grad.dtype is torch.float16:
-                # Duplicate indices of scaled float16 values can sum past 65504: check (and step) them summed.
-                param.grad = grad = grad.coalesce()
-            grad = checkable_view(grad)
-            groups[grad.device][grad.dtype].append(grad)
+            groups[device][dtype].extend(tensors)
             if owners is not None:
-                owners[grad.device][grad.dtype].append(param)
+                owners[device][dtype].extend(dense_params[i] for i in indices)
+    if special:
+        with torch.no_grad():
+            for param in (params[i] for i in special):
+                grad = param.grad
+                assert grad is not None
+                if grad.dtype == torch.float16 and not allow_fp16:
+                    raise ValueError(FP16_GRADS_MESSAGE)
+                if grad.is_sparse and grad.dtype is torch.float16:
+                    # Duplicate indices of scaled float16 values can sum past 65504: check (and step) them summed.
+                    param.grad = grad = grad.coalesce()
+                grad = checkable_view(grad)
+                groups[grad.device][grad.dtype].append(grad)
+                if owners is not None:
+                    owners[grad.device][grad.dtype].append(param)
     return groups
 
 

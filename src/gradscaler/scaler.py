@@ -16,9 +16,9 @@ from typing import Any, TypedDict
 import torch
 from torch.amp.grad_scaler import OptState
 
-from gradscaler import checkpoint, clipping, distributed, fused, grads, rule
+from gradscaler import checkpoint, clipping, distributed, fused, grads, kernels, rule
 from gradscaler.monitor import Monitor
-from gradscaler.telemetry import COUNTERS, Telemetry
+from gradscaler.telemetry import COUNTERS, Keeper, make_telemetry
 
 _CLOSURE_MESSAGE = "Closure use is not currently supported if GradScaler is enabled."
 _NO_CUDA_MESSAGE = (
@@ -145,7 +145,7 @@ class GradScaler(torch.amp.GradScaler):
         self._scale: torch.Tensor | None = None
         self._growth_tracker: torch.Tensor | None = None
         self._hysteresis_tracker: torch.Tensor | None = None
-        self._telemetry: Telemetry | None = None
+        self._telemetry: Keeper | None = None
         self._last_found_inf: torch.Tensor | None = None
         self._param_lists: dict[int, grads.ParamList] = {}
         # torch annotates the records as plain dicts; ours declare their keys.
@@ -197,8 +197,9 @@ class GradScaler(torch.amp.GradScaler):
         record = self._per_optimizer_states[id(optimizer)]
         self._check_stage(record, "unscale_()")
         inv_scale = self._inv_scale()
-        per_device = grads.unscale_and_check_(grads.group_grads(self._params(optimizer), allow_fp16=False), inv_scale)
-        self._record_found_inf(optimizer, record, per_device, self._agreement_group(optimizer))
+        params = self._params(optimizer)
+        per_device = grads.unscale_and_check_(grads.group_grads(params, allow_fp16=False), inv_scale)
+        self._record_found_inf(optimizer, record, per_device, self._agreement_group(params))
         record["grads_factor"] = inv_scale
         record["stage"] = OptState.UNSCALED
 
@@ -225,10 +226,11 @@ class GradScaler(torch.amp.GradScaler):
         unscaled = record["stage"] is OptState.UNSCALED
         hand_off = fused.supports_amp_scaling(optimizer) and not fused.takes_grad_scaler_kwarg(optimizer)
         owners = grads.new_groups()
-        groups = grads.group_grads(self._params(optimizer), allow_fp16=hand_off and not unscaled, owners=owners)
+        params = self._params(optimizer)
+        groups = grads.group_grads(params, allow_fp16=hand_off and not unscaled, owners=owners)
         inv_scale = None if unscaled else self._inv_scale()
         norms, flags = grads.norms_and_check(groups, norm_type, inv_scale)  # norms of the unscaled gradients
-        group = self._agreement_group(optimizer)  # one walk over the gradients for the flag and the norm
+        group = self._agreement_group(params)  # one walk over the gradients for the flag and the norm
         if not unscaled:
             self._record_found_inf(optimizer, record, flags, group)
         total = self._total_norm(norms, owners, norm_type, group)
@@ -327,8 +329,8 @@ class GradScaler(torch.amp.GradScaler):
         if not flags:
             raise AssertionError("No inf checks were recorded prior to update.")
         found = grads.combine_flags(flags)
-        before = scale.clone()
         assert self._hysteresis_tracker is not None and self._telemetry is not None
+        before = self._telemetry.before(scale)
         rule.update_scale_(scale, growth_tracker, self._hysteresis_tracker, found, self._rule)
         self._telemetry.record_(found, before, scale, self._rule.lower)
         self._last_found_inf = found
@@ -458,7 +460,7 @@ class GradScaler(torch.amp.GradScaler):
         if self._hysteresis_tracker is not None:
             self._hysteresis_tracker.fill_(loaded.hysteresis_tracker)
         if self._telemetry is not None:
-            self._telemetry.counters.copy_(self._telemetry.counters.new_tensor(loaded.counters))
+            self._telemetry.load(loaded.counters)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -517,12 +519,11 @@ class GradScaler(torch.amp.GradScaler):
             scale.fill_(rule.positive_finite("new_scale", new_scale))
         rule.clamp_scale_(scale, self._rule)
 
-    def _agreement_group(self, optimizer: torch.optim.Optimizer) -> Any | None:
-        """The group whose ranks must agree on this optimizer's flag and norm (None: this process alone)."""
+    def _agreement_group(self, params: list[torch.Tensor]) -> Any | None:
+        """The group whose ranks must agree on the flag and norm of ``params``' gradients (None: this process alone)."""
         if self._process_group is not None:
             return self._process_group
-        params = self._params(optimizer)
-        return distributed.agreement_group((p.grad for p in params if p.grad is not None), None)
+        return distributed.agreement_group(map(grads.GRAD, params), None)
 
     def _total_norm(
         self,
@@ -620,7 +621,9 @@ class GradScaler(torch.amp.GradScaler):
         self._scale = torch.full((), self._init_scale, dtype=torch.float32, device=dev)
         self._growth_tracker = torch.full((), self._init_growth_tracker, dtype=torch.int32, device=dev)
         self._hysteresis_tracker = torch.full((), self._init_hysteresis_tracker, dtype=torch.int32, device=dev)
-        self._telemetry = Telemetry(self._scale.device, self._history, self._init_counters)
+        self._telemetry = make_telemetry(
+            self._scale.device, self._history, self._init_counters, on_host=kernels.host_reads_free(self._scale.device)
+        )
 
     def _unscale_grads_(
         self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
@@ -641,8 +644,9 @@ class GradScaler(torch.amp.GradScaler):
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:  # type: ignore[override]
         self._check_scale_growth_tracker("_check_inf_per_device")
         record = self._per_optimizer_states[id(optimizer)]
-        groups = grads.group_grads(self._params(optimizer), allow_fp16=True)
-        self._record_found_inf(optimizer, record, grads.nonfinite_flags(groups), self._agreement_group(optimizer))
+        params = self._params(optimizer)
+        groups = grads.group_grads(params, allow_fp16=True)
+        self._record_found_inf(optimizer, record, grads.nonfinite_flags(groups), self._agreement_group(params))
         return record["found_inf_per_device"]
 
     def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:  # type: ignore[override]

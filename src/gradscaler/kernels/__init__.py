@@ -33,17 +33,11 @@ class GradStats(NamedTuple):
     norms: torch.Tensor | None
 
 
-def _use_triton(device: torch.device) -> bool:
-    choice = os.environ.get("GRADSCALER_KERNEL", "auto")
-    if choice == "torch":
-        return False
-    if choice == "triton":
-        return True
-    if device.type != "cuda":
-        return False
-    from gradscaler.kernels import triton_stats
-
-    return triton_stats.AVAILABLE
+def host_reads_free(device: torch.device, choice: str | None = None) -> bool:
+    """Whether reading a tensor on ``device`` costs the host no more than reading memory: the CPU, unless
+    ``GRADSCALER_KERNEL=generic`` asks for the device-generic paths (which never read back) there too.
+    ``choice``: that variable's value when the caller has read it already."""
+    return device.type == "cpu" and (choice or os.environ.get("GRADSCALER_KERNEL", "auto")) != "generic"
 
 
 def grad_stats(grads: list[torch.Tensor], norm_type: float | None, inv_scale: torch.Tensor | None = None) -> GradStats:
@@ -57,10 +51,13 @@ def grad_stats(grads: list[torch.Tensor], norm_type: float | None, inv_scale: to
     """
     if not grads:
         raise ValueError("grad_stats needs at least one tensor.")
-    if _use_triton(grads[0].device):
+    choice = os.environ.get("GRADSCALER_KERNEL", "auto")
+    device = grads[0].device
+    if choice == "triton" or (choice == "auto" and device.type == "cuda"):
         from gradscaler.kernels import triton_stats
 
-        return triton_stats.grad_stats(grads, norm_type, inv_scale)
+        if choice == "triton" or triton_stats.AVAILABLE:
+            return triton_stats.grad_stats(grads, norm_type, inv_scale)
     from gradscaler.kernels import torch_stats
 
-    return torch_stats.grad_stats(grads, norm_type, inv_scale)
+    return torch_stats.grad_stats(grads, norm_type, inv_scale, host=host_reads_free(device, choice))
