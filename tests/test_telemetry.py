@@ -140,7 +140,7 @@ def test_last_grad_norms_come_from_the_clipping_pass() -> None:
 )
 def test_host_and_device_keepers_agree(
     records: list[tuple[bool, float, float]], history: int, start: list[int]
-) -> None:  # noqa: E501
+) -> None:
     """The CPU keeper (Python numbers) and the device keeper (tensor ops) count and remember the same."""
     device = torch.device("cpu")
     keepers = [make_telemetry(device, history, start, on_host=on_host) for on_host in (True, False)]

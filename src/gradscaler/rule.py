@@ -158,19 +158,30 @@ def update_scale_(
     hysteresis_tracker: torch.Tensor,
     found_inf: torch.Tensor,
     rule: ScaleRule,
+    before: float | None = None,
 ) -> None:
     """Apply one step of the rule in place. ``found_inf`` is a 0-d float tensor, nonzero on overflow.
 
-    All four tensors live on one device. Nothing is read back to the host.
+    All four tensors live on one device. Nothing is read back to the host. ``before``: the scale as a
+    number, when the caller holds it (host memory); the clamp is then skipped when neither factor can
+    take the scale out of bounds.
     """
     if rule.matches_torch_kernel:
         # One launch for the common case; the floor/ceiling clamp is the only addition.
         torch._amp_update_scale_(
             scale, growth_tracker, found_inf, rule.growth_factor, rule.backoff_factor, rule.growth_interval
         )
-        clamp_scale_(scale, rule)
+        if before is None or not _stays_in_bounds(before, rule):
+            clamp_scale_(scale, rule)
         return
     update_scale_reference_(scale, growth_tracker, hysteresis_tracker, found_inf, rule)
+
+
+def _stays_in_bounds(scale: float, rule: ScaleRule) -> bool:
+    """Whether both ``scale * backoff_factor`` and ``scale * growth_factor`` lie inside the bounds, with a
+    margin for the kernel's float32 rounding (rounding is monotonic: inside by a margin stays inside)."""
+    margin = 1.0 + 2.0**-20
+    return scale * rule.backoff_factor >= rule.lower * margin and scale * rule.growth_factor * margin <= rule.upper
 
 
 def update_scale_reference_(

@@ -330,8 +330,9 @@ class GradScaler(torch.amp.GradScaler):
             raise AssertionError("No inf checks were recorded prior to update.")
         found = grads.combine_flags(flags)
         assert self._hysteresis_tracker is not None and self._telemetry is not None
-        before = self._telemetry.before(scale)
-        rule.update_scale_(scale, growth_tracker, self._hysteresis_tracker, found, self._rule)
+        before = self._telemetry.before(scale)  # a float when the scale is in host memory
+        held = before if isinstance(before, float) else None
+        rule.update_scale_(scale, growth_tracker, self._hysteresis_tracker, found, self._rule, held)
         self._telemetry.record_(found, before, scale, self._rule.lower)
         self._last_found_inf = found
         self._monitor.record_update([r["optimizer"] for r in records if "optimizer" in r])
