@@ -201,10 +201,12 @@ def test_constructor_refuses_policies_that_cannot_work(kwargs: dict, message: st
 @pytest.mark.parametrize("bounds", [(None, None), (1.0, 8.0), (4.0, 4.0)])
 def test_update_with_the_scale_held_on_the_host_matches_the_clamped_update(found, scale, bounds) -> None:
     """Skipping the clamp when the caller holds the scale as a number never changes a result."""
-    policy = ScaleRule(growth_factor=2.0, backoff_factor=0.5, growth_interval=1, min_scale=bounds[0], max_scale=bounds[1])
+    low, high = bounds
+    policy = ScaleRule(growth_factor=2.0, backoff_factor=0.5, growth_interval=1, min_scale=low, max_scale=high)
     results = []
     for held in (False, True):
-        s, tracker, hysteresis = torch.tensor(scale), torch.zeros((), dtype=torch.int32), torch.ones((), dtype=torch.int32)
+        s, tracker = torch.tensor(scale), torch.zeros((), dtype=torch.int32)
+        hysteresis = torch.ones((), dtype=torch.int32)
         s.clamp_(policy.lower, policy.upper)
         update_scale_(s, tracker, hysteresis, torch.tensor(found), policy, s.item() if held else None)
         results.append(s.item())
