@@ -118,14 +118,18 @@ class Telemetry:
 
 
 class HostTelemetry:
-    """The counters and history of ``Telemetry`` as Python numbers, for a scale in host memory."""
+    """The counters and history of ``Telemetry`` as Python numbers, for a scale in host memory.
+
+    A record in which nothing moves (a clean step, no growth, no run to reset, the scale as last
+    landed: most steps) only writes the ring, and ``landed`` returns the same dict as before.
+    """
 
     def __init__(self, history: int, counters: list[int]) -> None:
         self.history = history
-        self._counters = list(counters)
         self._scales = [math.nan] * history
         self._skipped = [False] * history
         self._records = 0
+        self.load(counters)
 
     def before(self, scale: torch.Tensor) -> float:
         """The scale as it is now, to pass to ``record_`` after the update."""
@@ -135,19 +139,19 @@ class HostTelemetry:
         """Account for one update: ``found`` 0-d float flag, the scale ``before`` and ``after`` it."""
         skipped, now = found.item() != 0, after.item()
         happened = events(skipped, now > before, now < before, skipped and before <= lower)
-        self._counters = [
-            0 if run and not event else min(count + event, SATURATE)
-            for count, event, run in zip(self._counters, happened, CONSECUTIVE, strict=True)
-        ]
+        if any(happened) or any(self._counters[i] for i in _RUNS) or now != self._landed["scale"]:
+            self._counters = [
+                0 if run and not event else min(count + event, SATURATE)
+                for count, event, run in zip(self._counters, happened, CONSECUTIVE, strict=True)
+            ]
+            self._landed = {**dict(zip(COUNTERS, self._counters, strict=True)), "scale": now}
         slot = self._records % self.history
         self._scales[slot], self._skipped[slot] = now, skipped
         self._records += 1
 
     def landed(self) -> dict[str, Any] | None:
-        """The current counters and scale (nothing to wait for on the host)."""
-        landed: dict[str, Any] = dict(zip(COUNTERS, self._counters, strict=True))
-        landed["scale"] = self._scales[(self._records - 1) % self.history] if self._records else None
-        return landed
+        """The current counters and scale (nothing to wait for on the host). Read-only: shared between calls."""
+        return self._landed if self._records else None
 
     def read(self) -> dict[str, int]:
         """The current counters."""
@@ -156,9 +160,14 @@ class HostTelemetry:
     def load(self, counters: list[int]) -> None:
         """Replace the counters."""
         self._counters = list(counters)
+        last = self._scales[(self._records - 1) % self.history] if self._records else None
+        self._landed = {**dict(zip(COUNTERS, self._counters, strict=True)), "scale": last}
 
     def histories(self) -> tuple[list[float], list[bool]]:
         """Scale and skip flag of the last ``min(steps, history)`` steps, oldest first."""
         count = min(self._records, self.history)
         order = [(self._records - count + i) % self.history for i in range(count)]
         return [self._scales[i] for i in order], [self._skipped[i] for i in order]
+
+
+_RUNS = [i for i, run in enumerate(CONSECUTIVE) if run]
