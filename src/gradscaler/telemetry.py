@@ -129,6 +129,8 @@ class HostTelemetry:
         self._scales = [math.nan] * history
         self._skipped = [False] * history
         self._records = 0
+        self._counters: list[int] = []
+        self._landed: dict[str, Any] = {}
         self.load(counters)
 
     def before(self, scale: torch.Tensor) -> float:
