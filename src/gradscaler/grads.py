@@ -159,7 +159,7 @@ def unscale_and_check_(
     flags: dict[torch.device, torch.Tensor] = {}
     for device, by_dtype in groups.items():
         if found_inf is None:
-            found = torch.zeros((), dtype=torch.float32, device=device)
+            found = torch.scalar_tensor(0.0, dtype=torch.float32, device=device)
         else:
             found = found_inf.to(device, non_blocking=True, copy=True)
         inv = inv_scale.to(device, non_blocking=True)

@@ -106,6 +106,10 @@ class ScaleRule:
         # Computed once: the update path reads them every step.
         object.__setattr__(self, "_lower", max(_float32_toward(low or 0.0, +1), SCALE_FLOOR))
         object.__setattr__(self, "_upper", _float32_toward(min(high or FLOAT32_MAX, FLOAT32_MAX), -1))
+        # Scales from which neither factor can leave [lower, upper], with a margin for float32 rounding
+        # (rounding is monotonic: a product inside by a margin stays inside); see ``update_scale_``.
+        margin = 1.0 + 2.0**-20
+        object.__setattr__(self, "_steady", (self.lower * margin / backoff, self.upper / (growth * margin)))
         if self.lower > self.upper:
             raise ValueError(
                 f"min_scale ({self.min_scale!r}) and max_scale ({self.max_scale!r}) hold no float32 value between them."
@@ -127,6 +131,11 @@ class ScaleRule:
     def upper(self) -> float:
         """The largest scale the rule produces (a float32 value: ``max_scale`` rounded down)."""
         return self._upper  # type: ignore[attr-defined,no-any-return]
+
+    @property
+    def steady(self) -> tuple[float, float]:
+        """Scales from which one growth or backoff stays inside ``[lower, upper]`` (with a margin)."""
+        return self._steady  # type: ignore[attr-defined,no-any-return]
 
     def clamp(self, scale: float) -> float:
         """``scale`` (a finite number > 0) moved into ``[lower, upper]``."""
@@ -171,17 +180,11 @@ def update_scale_(
         torch._amp_update_scale_(
             scale, growth_tracker, found_inf, rule.growth_factor, rule.backoff_factor, rule.growth_interval
         )
-        if before is None or not _stays_in_bounds(before, rule):
+        low, high = rule.steady
+        if before is None or not low <= before <= high:
             clamp_scale_(scale, rule)
         return
     update_scale_reference_(scale, growth_tracker, hysteresis_tracker, found_inf, rule)
-
-
-def _stays_in_bounds(scale: float, rule: ScaleRule) -> bool:
-    """Whether both ``scale * backoff_factor`` and ``scale * growth_factor`` lie inside the bounds, with a
-    margin for the kernel's float32 rounding (rounding is monotonic: inside by a margin stays inside)."""
-    margin = 1.0 + 2.0**-20
-    return scale * rule.backoff_factor >= rule.lower * margin and scale * rule.growth_factor * margin <= rule.upper
 
 
 def update_scale_reference_(
