@@ -6,7 +6,9 @@ fastest read-only torch op per norm type. ``GRADSCALER_KERNEL=torch`` forces the
 ``GRADSCALER_KERNEL=triton`` forces Triton (on the CPU too, under ``TRITON_INTERPRET=1``), and
 ``GRADSCALER_KERNEL=generic`` the device-generic torch path on the CPU too: the path CUDA takes
 without Triton, which reads nothing back to the host (the CPU path reads its results once, free
-there); ``tests/test_sync.py`` uses it to prove that the scaler's own code makes no host read.
+there). ``host_reads_free`` answers the same question for the scaler's telemetry, so under
+``generic`` a CPU scaler keeps its counters with device ops too; ``tests/test_sync.py`` uses it to
+prove that the scaler's own code makes no host read.
 """
 
 from __future__ import annotations
