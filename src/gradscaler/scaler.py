@@ -146,6 +146,7 @@ class GradScaler(torch.amp.GradScaler):
         self._growth_tracker: torch.Tensor | None = None
         self._hysteresis_tracker: torch.Tensor | None = None
         self._telemetry: Keeper | None = None
+        self._scale_on_host = False  # set with the scale: reading it costs the host nothing (the CPU)
         self._last_found_inf: torch.Tensor | None = None
         self._param_lists: dict[int, grads.ParamList] = {}
         # torch annotates the records as plain dicts; ours declare their keys.
@@ -507,7 +508,10 @@ class GradScaler(torch.amp.GradScaler):
             raise RuntimeError(f"{call} is being called after step().")
 
     def _inv_scale(self) -> torch.Tensor:
+        """``1/S`` as torch computes it (a float64 reciprocal rounded to float32), on the scale's device."""
         scale, _ = self._check_scale_growth_tracker("unscale_")
+        if self._scale_on_host:  # the same two roundings in Python: one op instead of three
+            return torch.scalar_tensor(1.0 / scale.item(), dtype=torch.float32)
         return scale.double().reciprocal().float()
 
     def _set_scale(self, scale: torch.Tensor, new_scale: Any) -> None:
@@ -622,8 +626,9 @@ class GradScaler(torch.amp.GradScaler):
         self._scale = torch.full((), self._init_scale, dtype=torch.float32, device=dev)
         self._growth_tracker = torch.full((), self._init_growth_tracker, dtype=torch.int32, device=dev)
         self._hysteresis_tracker = torch.full((), self._init_hysteresis_tracker, dtype=torch.int32, device=dev)
+        self._scale_on_host = kernels.host_reads_free(self._scale.device)
         self._telemetry = make_telemetry(
-            self._scale.device, self._history, self._init_counters, on_host=kernels.host_reads_free(self._scale.device)
+            self._scale.device, self._history, self._init_counters, on_host=self._scale_on_host
         )
 
     def _unscale_grads_(
