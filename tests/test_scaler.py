@@ -359,3 +359,16 @@ def test_scale_serves_each_device_its_own_copy() -> None:
     out = scaler.scale([cpu, meta, (meta, cpu)])
     assert out[0].device.type == "cpu" and out[1].device.type == "meta" and out[2][0].device.type == "meta"
     assert torch.equal(out[0], cpu * 4) and scaler._scale.device.type == "cpu"
+
+
+@pytest.mark.parametrize("scale", [3.0, 7.0, 0.1, 1e-30, 2.0**-126, 3.0e38, 65536.0, 1.0 + 2.0**-23])
+def test_inverse_scale_on_the_host_rounds_as_torch(scale: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU computes 1/S in Python; it must be the float32 torch's double-reciprocal-then-float gives."""
+    scaler = GradScaler("cpu", init_scale=scale)
+    scaler.scale(torch.ones(()))
+    expected = torch.tensor(scale, dtype=torch.float32).double().reciprocal().float()
+    assert torch.equal(scaler._inv_scale(), expected)
+    monkeypatch.setenv("GRADSCALER_KERNEL", "generic")  # the device route, for a scale set up afresh
+    device_route = GradScaler("cpu", init_scale=scale)
+    device_route.scale(torch.ones(()))
+    assert torch.equal(device_route._inv_scale(), expected)
