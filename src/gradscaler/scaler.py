@@ -332,7 +332,7 @@ class GradScaler(torch.amp.GradScaler):
         found = grads.combine_flags(flags)
         assert self._hysteresis_tracker is not None and self._telemetry is not None
         before = self._telemetry.before(scale)  # a float when the scale is in host memory
-        held = before if isinstance(before, float) else None
+        held = before if self._scale_on_host else None
         rule.update_scale_(scale, growth_tracker, self._hysteresis_tracker, found, self._rule, held)
         self._telemetry.record_(found, before, scale, self._rule.lower)
         self._last_found_inf = found

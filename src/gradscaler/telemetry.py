@@ -146,7 +146,7 @@ class HostTelemetry:
                 0 if run and not event else min(count + event, SATURATE)
                 for count, event, run in zip(self._counters, happened, CONSECUTIVE, strict=True)
             ]
-            self._landed = {**dict(zip(COUNTERS, self._counters, strict=True)), "scale": now}
+            self._publish(now)
         slot = self._records % self.history
         self._scales[slot], self._skipped[slot] = now, skipped
         self._records += 1
@@ -162,8 +162,11 @@ class HostTelemetry:
     def load(self, counters: list[int]) -> None:
         """Replace the counters."""
         self._counters = list(counters)
-        last = self._scales[(self._records - 1) % self.history] if self._records else None
-        self._landed = {**dict(zip(COUNTERS, self._counters, strict=True)), "scale": last}
+        self._publish(self._scales[(self._records - 1) % self.history] if self._records else None)
+
+    def _publish(self, scale: float | None) -> None:
+        """Make the current counters and ``scale`` what ``landed`` returns."""
+        self._landed = {**self.read(), "scale": scale}
 
     def histories(self) -> tuple[list[float], list[bool]]:
         """Scale and skip flag of the last ``min(steps, history)`` steps, oldest first."""
