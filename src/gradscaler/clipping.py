@@ -37,7 +37,7 @@ def total_norm(norms: dict[torch.device, torch.Tensor], norm_type: float, device
     float32, or float64 when some norms are (those of float64 gradients, which float32 may not hold).
     """
     dtype = torch.float64 if any(n.dtype == torch.float64 for n in norms.values()) else torch.float32
-    parts = [torch.linalg.vector_norm(n, norm_type).to(device, dtype, non_blocking=True) for n in norms.values()]
+    parts = [_moved(torch.linalg.vector_norm(n, norm_type), device, dtype) for n in norms.values()]
     if not parts:
         return torch.zeros((), dtype=dtype, device=device)
     return parts[0] if len(parts) == 1 else torch.linalg.vector_norm(torch.stack(parts), norm_type)
@@ -68,14 +68,27 @@ def global_norm(
     return total_norm({device: torch.stack([reduced, rest])}, norm_type, device)
 
 
-def clip_coefficient(total: torch.Tensor, max_norm: float) -> torch.Tensor:
-    """torch's clip factor for an (unscaled) total norm: ``min(max_norm / (total + 1e-6), 1)``."""
+def clip_coefficient(total: torch.Tensor, max_norm: float, on_host: bool = False) -> torch.Tensor:
+    """torch's clip factor for an (unscaled) total norm: ``min(max_norm / (total + 1e-6), 1)``, 0-d, ``total``'s dtype.
+
+    ``on_host``: ``total`` is in host memory, so the factor is computed in Python (in float64, rounded
+    once): one host read and one op instead of four 0-d tensor ops (~2 us instead of ~9 on the CPU).
+    """
+    if on_host:
+        return torch.scalar_tensor(min(max_norm / (total.item() + CLIP_EPSILON), 1.0), dtype=total.dtype)
     return (max_norm / (total + CLIP_EPSILON)).clamp_(max=1.0)
+
+
+def _moved(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` on ``device`` as ``dtype``: itself when it already is (a no-op ``.to`` costs ~0.5 us)."""
+    if tensor.device == device and tensor.dtype == dtype:
+        return tensor
+    return tensor.to(device, dtype, non_blocking=True)
 
 
 def scale_grads_(groups: GradGroups, factor: torch.Tensor) -> None:
     """Multiply every gradient in ``groups`` by the 0-d ``factor`` in place, one foreach op per dtype."""
     for device, by_dtype in groups.items():
-        device_factor = factor.to(device, non_blocking=True)
+        device_factor = _moved(factor, device, factor.dtype)
         for tensors in by_dtype.values():
             torch._foreach_mul_(tensors, device_factor)

@@ -239,7 +239,7 @@ class GradScaler(torch.amp.GradScaler):
             ([p for params in owners[device].values() for p in params], device_norms)
             for device, device_norms in norms.items()
         ]
-        coef = clipping.clip_coefficient(total, max_norm)
+        coef = clipping.clip_coefficient(total, max_norm, on_host=self._scale_on_host)
         if hand_off and not unscaled:
             record["grad_scale"] = (scale / coef * getattr(optimizer, "grad_scale", 1)).float()
         else:
@@ -297,7 +297,8 @@ class GradScaler(torch.amp.GradScaler):
             grad_scale = getattr(optimizer, "grad_scale", None)
         else:
             assert self._scale is not None
-            grad_scale = self._scale * getattr(optimizer, "grad_scale", 1)
+            theirs = getattr(optimizer, "grad_scale", None)  # a multiplier set by the user, as torch honours
+            grad_scale = self._scale if theirs is None else self._scale * theirs
         fresh = fused.params_without_state(optimizer) if fused.has_fresh_state(optimizer) else []
         optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
         optimizer.found_inf = found_inf  # type: ignore[attr-defined]
