@@ -200,20 +200,28 @@ def test_non_contiguous_tensors() -> None:
     torch.testing.assert_close(stats.norms.double().cpu(), reference(tensors, 2.0), rtol=1e-5, atol=0)
 
 
+_FEW_SIZES = [(3, 5), (0,), (torch_stats.SMALL,), (1,), (7, 9), (torch_stats.SMALL * 3 + 1,)] * 5
+_MANY_SIZES = [(n,) for n in range(torch_stats._MAX_RUNS + 5)] + [(torch_stats.SMALL,), (4, 6), (2, 3)] * 3
+
+
 @pytest.mark.parametrize("p", [None, 2.0], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
-def test_cpu_small_tensor_route_keeps_order_and_flag(p: float | None, dtype: torch.dtype) -> None:
-    """Small tensors share one flattened buffer on the CPU: norms still come back in the callers'
-    order (small and big interleaved, empty ones included), and a bad value anywhere is found."""
+@pytest.mark.parametrize("sizes", [_FEW_SIZES, _MANY_SIZES], ids=["runs_of_equal_sizes", "segment_reduce"])
+def test_cpu_small_tensor_route_keeps_order_and_flag(p: float | None, dtype: torch.dtype, sizes: list) -> None:
+    """Small tensors share one flattened buffer on the CPU, reduced per run of equal sizes (or by one
+    ``segment_reduce`` past ``_MAX_RUNS`` sizes): norms still come back in the callers' order (small
+    and big interleaved, empty and transposed ones included), and a bad value anywhere is found."""
     gen = torch.Generator().manual_seed(2)
-    sizes = [(3, 5), (0,), (torch_stats.SMALL,), (1,), (7, 9), (torch_stats.SMALL * 3 + 1,)] * 5
     tensors = [torch.randn(s, generator=gen, dtype=dtype) * 100 for s in sizes]
+    tensors = [t.t() if t.dim() == 2 and t.shape[0] == 4 else t for t in tensors]  # not contiguous
     for _ in range(2):  # the second call uses the cached layout
         stats = torch_stats.grad_stats(tensors, p, torch.tensor(0.25))
         assert float(stats.nonfinite) == 0.0
         if p is not None:
             torch.testing.assert_close(stats.norms.double(), reference(tensors, p, 0.25), rtol=1e-5, atol=0)
-    for where in (0, 2, 29):
+    first = next(i for i, t in enumerate(tensors) if t.numel())
+    big = next(i for i, t in enumerate(tensors) if t.numel() >= torch_stats.SMALL)
+    for where in (first, big, len(tensors) - 1):
         spoiled = [t.clone() for t in tensors]
         spoiled[where].view(-1)[-1] = math.inf
         assert float(torch_stats.grad_stats(spoiled, p).nonfinite) == 1.0

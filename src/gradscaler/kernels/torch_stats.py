@@ -32,6 +32,7 @@ it (NaN propagates through the sum): flag = ``not isfinite(inf-norm) or isnan(p-
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -96,8 +97,14 @@ def _cpu_raw(grads: list[torch.Tensor], norm_type: float | None) -> tuple[torch.
     return torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=acc) for g in grads]), True
 
 
+def _values(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as a 1-d tensor (a 1-d tensor as it is: a ``reshape`` costs a view op)."""
+    return tensor if tensor.dim() == 1 else tensor.reshape(-1)
+
+
 def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The values of ``tensors`` in one new 1-d buffer (one ``cat``; 1-d tensors need no view)."""
+    """The values of ``tensors`` in one new 1-d buffer (one ``cat``; inline, not ``_values``: 0.1 ms less
+    Python at 2000 tensors)."""
     return torch.cat([t if t.dim() == 1 else t.reshape(-1) for t in tensors])
 
 
@@ -109,9 +116,9 @@ def _pieces(grads: list[torch.Tensor]) -> list[torch.Tensor]:
         if grad.numel() < SMALL:
             small.append(grad)
         else:
-            pieces.append(grad.reshape(-1))
+            pieces.append(_values(grad))
     if small:
-        pieces.append(small[0].reshape(-1) if len(small) == 1 else _flat(small))
+        pieces.append(_values(small[0]) if len(small) == 1 else _flat(small))
     return pieces
 
 
@@ -135,38 +142,70 @@ def _summed_squares(grads: list[torch.Tensor]) -> torch.Tensor:
 
 def _squares(grads: list[torch.Tensor]) -> torch.Tensor:
     """Sums of squares, one per tensor: ``dot(g, g)`` per big tensor; the small ones (under ``SMALL``
-    values) are copied into one buffer by one ``cat`` (cache-resident bytes, far cheaper than ~2 us of
-    Python and dispatch per tensor) and reduced by one ``segment_reduce``.
+    values), sorted by size, are copied into one buffer by one ``cat`` (cache-resident bytes, far
+    cheaper than ~2 us of Python and dispatch per tensor) and each run of equal sizes is reduced as the
+    rows of one matrix. The 65 small tensors of the bench's GPT-2-like layout (3 sizes) take 0.09 ms
+    that way, against 0.19 ms for one ``segment_reduce`` over the same buffer, which remains the route
+    for more than ``_MAX_RUNS`` distinct sizes.
     """
-    sizes = [g.numel() for g in grads]
-    small = [i for i, n in enumerate(sizes) if n < SMALL]
-    if len(small) < 8:  # not worth a copy
-        return torch.stack([torch.dot(v, v) for v in (g.reshape(-1) for g in grads)])
+    layout = _layout(tuple(map(torch.Tensor.numel, grads)))
+    if layout is None:  # fewer than 8 small tensors: not worth a copy
+        return torch.stack([torch.dot(v, v) for v in map(_values, grads)])
+    parts = [torch.stack([torch.dot(v, v) for v in (_values(grads[i]) for i in layout.big)])] if layout.big else []
+    flat = _flat([grads[i] for i in layout.small])
+    if layout.lengths is not None:
+        parts.append(torch.segment_reduce(flat * flat, "sum", lengths=layout.lengths))
+    else:
+        start = 0
+        for size, count in layout.runs:
+            rows = flat[start : start + size * count].view(count, size)
+            parts.append((rows * rows).sum(1))
+            start += size * count
+    joined = torch.cat(parts) if len(parts) > 1 else parts[0]
+    return joined if layout.order is None else joined[layout.order]
+
+
+_MAX_RUNS = 16
+"""Most distinct small-tensor sizes reduced as matrices, one per size; beyond, one ``segment_reduce``."""
+
+
+class _Layout(NamedTuple):
+    """How ``_squares`` reads tensors of given sizes."""
+
+    big: list[int]
+    """Indices of the tensors read one by one."""
+    small: list[int]
+    """Indices of the tensors copied into one buffer, sorted by size."""
+    runs: list[tuple[int, int]]
+    """(size, count) of each run of equal sizes in ``small``."""
+    lengths: torch.Tensor | None
+    """The sizes of ``small`` as ``segment_reduce`` lengths when there are more than ``_MAX_RUNS`` runs."""
+    order: torch.Tensor | None
+    """Where each caller's tensor is in ``big + small`` (None: the same order)."""
+
+
+_LAYOUTS: dict[tuple[int, ...], _Layout | None] = {}
+
+
+def _layout(sizes: tuple[int, ...]) -> _Layout | None:
+    """The ``_Layout`` for tensors of ``sizes`` (None: fewer than 8 small ones); cached by the sizes,
+    which are stable from step to step."""
+    if sizes in _LAYOUTS:
+        return _LAYOUTS[sizes]
     big = [i for i, n in enumerate(sizes) if n >= SMALL]
-    parts = [torch.dot(v, v) for v in (grads[i].reshape(-1) for i in big)]
-    flat = _flat([grads[i] for i in small])
-    lengths, order = _layout(tuple(sizes), big, small)
-    sums = torch.segment_reduce(flat * flat, "sum", lengths=lengths)
-    joined = torch.cat([torch.stack(parts), sums]) if parts else sums
-    return joined if order is None else joined[order]
-
-
-_LAYOUTS: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor | None]] = {}
-
-
-def _layout(sizes: tuple[int, ...], big: list[int], small: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Segment lengths of the small tensors and the permutation back to the callers' order (None when
-    all are small); cached by the sizes, which are stable from step to step."""
-    found = _LAYOUTS.get(sizes)
-    if found is None:
-        lengths = torch.tensor([sizes[i] for i in small], dtype=torch.int64)
+    small = sorted((i for i, n in enumerate(sizes) if n < SMALL), key=sizes.__getitem__)
+    found = None
+    if len(small) >= 8:
+        runs = [(n, sum(1 for i in small if sizes[i] == n)) for n in sorted({sizes[i] for i in small})]
+        lengths = torch.tensor([sizes[i] for i in small], dtype=torch.int64) if len(runs) > _MAX_RUNS else None
         order = None
-        if big:
+        if big + small != list(range(len(sizes))):
             order = torch.empty(len(sizes), dtype=torch.int64)
             order[torch.tensor(big + small)] = torch.arange(len(sizes))
-        if len(_LAYOUTS) >= 64:
-            _LAYOUTS.clear()
-        found = _LAYOUTS[sizes] = (lengths, order)
+        found = _Layout(big, small, runs, lengths, order)
+    if len(_LAYOUTS) >= 64:
+        _LAYOUTS.clear()
+    _LAYOUTS[sizes] = found
     return found
 
 
@@ -192,8 +231,9 @@ def _cpu(grads: list[torch.Tensor], norm_type: float | None, inv_scale: torch.Te
         return GradStats(nonfinite, None)
     norms = raw if is_norm else raw.sqrt()
     if inv_scale is not None:  # in float64 after a fallback: no overflow before the multiply
-        norms = norms * inv_scale.to(norms.dtype)
-    return GradStats(nonfinite, norms.to(norm_dtype(grads[0].dtype)))
+        norms = norms * (inv_scale if inv_scale.dtype == norms.dtype else inv_scale.to(norms.dtype))
+    out = norm_dtype(grads[0].dtype)
+    return GradStats(nonfinite, norms if norms.dtype == out else norms.to(out))
 
 
 def _generic(grads: list[torch.Tensor], norm_type: float | None, inv_scale: torch.Tensor | None) -> GradStats:
