@@ -110,6 +110,12 @@ def agreement_group(grads: Iterable[torch.Tensor], explicit: Any | None = None) 
     return found
 
 
+def running() -> bool:
+    """Whether torch.distributed has a default process group. Without one nothing is reduced, and no
+    gradient can be sharded over a group (a DeviceMesh of several ranks needs one)."""
+    return dist.is_available() and dist.is_initialized()
+
+
 def is_sharded(grad: torch.Tensor) -> bool:
     """Whether ``grad`` is a DTensor sharded over a mesh dimension of more than one rank (each rank holds part)."""
     return type(grad) is not torch.Tensor and dtensor_group(grad) is not None
@@ -117,14 +123,14 @@ def is_sharded(grad: torch.Tensor) -> bool:
 
 def agree_on_flag_(flag: torch.Tensor, group: Any | None) -> torch.Tensor:
     """All-reduce ``flag`` (0-d float) in place with MAX over ``group``; no-op without a group."""
-    if group is not None and dist.is_available() and dist.is_initialized():
+    if group is not None and running():
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return flag
 
 
 def reduce_norm_(total: torch.Tensor, norm_type: float, group: Any | None) -> torch.Tensor:
     """Combine per-rank partial norms of shards into the norm of the whole (in place, 0-d float32)."""
-    if group is None or not (dist.is_available() and dist.is_initialized()):
+    if group is None or not running():
         return total
     if math.isinf(norm_type):
         dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)

@@ -21,7 +21,7 @@ from itertools import repeat
 
 import torch
 
-from gradscaler.kernels import grad_stats
+from gradscaler.kernels import grad_stats, host_reads_free
 
 GradGroups = dict[torch.device, dict[torch.dtype, list[torch.Tensor]]]
 
@@ -195,7 +195,10 @@ def norms_and_check(
 
 
 def combine_flags(flags: list[torch.Tensor]) -> torch.Tensor:
-    """Combine 0-d float flags on one device into one (nonzero if any is); a single flag is returned as is."""
+    """Combine 0-d float flags on one device into one (nonzero if any is). A single flag is returned as
+    is, and so is the largest where reads are free (the CPU: two host reads instead of two ops)."""
     if len(flags) == 1:
         return flags[0]
+    if host_reads_free(flags[0].device):
+        return max(flags, key=torch.Tensor.item)
     return torch.stack(flags).amax()

@@ -529,6 +529,8 @@ class GradScaler(torch.amp.GradScaler):
         """The group whose ranks must agree on the flag and norm of ``params``' gradients (None: this process alone)."""
         if self._process_group is not None:
             return self._process_group
+        if not distributed.running():  # one process: no gradient read (~0.1 us each)
+            return None
         return distributed.agreement_group(map(grads.GRAD, params), None)
 
     def _total_norm(
