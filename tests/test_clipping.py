@@ -126,6 +126,28 @@ def test_disabled_scaler_clips_like_torch() -> None:
 
 
 # The pure functions of clipping.py, with no scaler.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_clip_coefficient_on_host_has_the_tensor_ops_bits(dtype: torch.dtype) -> None:
+    """The Python factor (a CPU scale) rounds as the four tensor ops do, edge cases included."""
+    from gradscaler.clipping import clip_coefficient
+
+    gen = torch.Generator().manual_seed(5)
+    totals = torch.cat(
+        [
+            torch.exp(torch.empty(4000, dtype=torch.float64).uniform_(-30, 30, generator=gen)),
+            torch.tensor([0.0, 1e-7, 1.0, 1.0 - 1e-6, math.inf, math.nan, 3e38, 1e-45]),
+        ]
+    ).to(dtype)
+    for max_norm in (1.0, 0.5, 3.0, 0.1, 0.0, 1e30):
+        for total in totals:
+            on_device = clip_coefficient(total.clone(), max_norm)
+            on_host = clip_coefficient(total.clone(), max_norm, on_host=True)
+            assert on_host.dtype == on_device.dtype == dtype
+            assert on_host.view(-1).view(torch.int64 if dtype == torch.float64 else torch.int32).item() == (
+                on_device.view(-1).view(torch.int64 if dtype == torch.float64 else torch.int32).item()
+            ), (float(total), max_norm)
+
+
 def test_clip_coefficient_is_torchs_factor() -> None:
     from gradscaler.clipping import clip_coefficient
 

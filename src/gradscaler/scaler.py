@@ -512,7 +512,7 @@ class GradScaler(torch.amp.GradScaler):
         """``1/S`` as torch computes it (a float64 reciprocal rounded to float32), on the scale's device."""
         scale, _ = self._check_scale_growth_tracker("unscale_")
         if self._scale_on_host:  # the same two roundings in Python: one op instead of three
-            return torch.scalar_tensor(1.0 / scale.item(), dtype=torch.float32)
+            return torch.scalar_tensor(1.0 / scale.item(), dtype=torch.float32, device=scale.device)
         return scale.double().reciprocal().float()
 
     def _set_scale(self, scale: torch.Tensor, new_scale: Any) -> None:

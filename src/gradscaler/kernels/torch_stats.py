@@ -185,13 +185,15 @@ class _Layout(NamedTuple):
 
 
 _LAYOUTS: dict[tuple[int, ...], _Layout | None] = {}
+_MISSING = object()
 
 
 def _layout(sizes: tuple[int, ...]) -> _Layout | None:
     """The ``_Layout`` for tensors of ``sizes`` (None: fewer than 8 small ones); cached by the sizes,
     which are stable from step to step."""
-    if sizes in _LAYOUTS:
-        return _LAYOUTS[sizes]
+    cached = _LAYOUTS.get(sizes, _MISSING)  # one look-up: another thread may clear the cache
+    if cached is not _MISSING:
+        return cached  # type: ignore[return-value]
     big = [i for i, n in enumerate(sizes) if n >= SMALL]
     small = sorted((i for i, n in enumerate(sizes) if n < SMALL), key=sizes.__getitem__)
     found = None
@@ -211,7 +213,7 @@ def _layout(sizes: tuple[int, ...]) -> _Layout | None:
 
 def _cpu(grads: list[torch.Tensor], norm_type: float | None, inv_scale: torch.Tensor | None) -> GradStats:
     raw, is_norm = _cpu_raw(grads, norm_type)
-    nonfinite = torch.scalar_tensor(0.0, dtype=torch.float32)
+    nonfinite = torch.scalar_tensor(0.0, dtype=torch.float32, device=grads[0].device)
     # Their sum is finite iff every one is (inf and NaN propagate; finite results that overflow the
     # sum are cleared by the per-entry check below): one op and one host read on the common path.
     clean = math.isfinite(raw.item() if raw.dim() == 0 else raw.sum().item())
@@ -231,7 +233,8 @@ def _cpu(grads: list[torch.Tensor], norm_type: float | None, inv_scale: torch.Te
         return GradStats(nonfinite, None)
     norms = raw if is_norm else raw.sqrt()
     if inv_scale is not None:  # in float64 after a fallback: no overflow before the multiply
-        norms = norms * (inv_scale if inv_scale.dtype == norms.dtype else inv_scale.to(norms.dtype))
+        same = inv_scale.dtype == norms.dtype and inv_scale.device == norms.device
+        norms = norms * (inv_scale if same else inv_scale.to(norms.device, norms.dtype))
     out = norm_dtype(grads[0].dtype)
     return GradStats(nonfinite, norms if norms.dtype == out else norms.to(out))
 
