@@ -16,6 +16,7 @@ import torch
 
 from gradscaler import distributed
 from gradscaler.grads import GradGroups
+from gradscaler.kernels import moved
 
 CLIP_EPSILON = 1e-6
 """Added to the total norm before dividing, as ``torch.nn.utils.clip_grad_norm_`` does."""
@@ -38,7 +39,7 @@ def total_norm(norms: dict[torch.device, torch.Tensor], norm_type: float, device
     float32, or float64 when some norms are (those of float64 gradients, which float32 may not hold).
     """
     dtype = torch.float64 if any(n.dtype == torch.float64 for n in norms.values()) else torch.float32
-    parts = [_moved(torch.linalg.vector_norm(n, norm_type), device, dtype) for n in norms.values()]
+    parts = [moved(torch.linalg.vector_norm(n, norm_type), device, dtype) for n in norms.values()]
     if not parts:
         return torch.zeros((), dtype=dtype, device=device)
     return parts[0] if len(parts) == 1 else torch.linalg.vector_norm(torch.stack(parts), norm_type)
@@ -90,16 +91,9 @@ def _to_float32(value: float) -> float:
     return array("f", (value,))[0]
 
 
-def _moved(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """``tensor`` on ``device`` as ``dtype``: itself when it already is (a no-op ``.to`` costs ~0.5 us)."""
-    if tensor.device == device and tensor.dtype == dtype:
-        return tensor
-    return tensor.to(device, dtype, non_blocking=True)
-
-
 def scale_grads_(groups: GradGroups, factor: torch.Tensor) -> None:
     """Multiply every gradient in ``groups`` by the 0-d ``factor`` in place, one foreach op per dtype."""
     for device, by_dtype in groups.items():
-        device_factor = _moved(factor, device, factor.dtype)
+        device_factor = moved(factor, device, factor.dtype)
         for tensors in by_dtype.values():
             torch._foreach_mul_(tensors, device_factor)

@@ -21,7 +21,7 @@ from itertools import repeat
 
 import torch
 
-from gradscaler.kernels import grad_stats, host_reads_free
+from gradscaler.kernels import grad_stats, host_reads_free, moved
 
 GradGroups = dict[torch.device, dict[torch.dtype, list[torch.Tensor]]]
 
@@ -162,7 +162,7 @@ def unscale_and_check_(
             found = torch.scalar_tensor(0.0, dtype=torch.float32, device=device)
         else:
             found = found_inf.to(device, non_blocking=True, copy=True)
-        inv = inv_scale.to(device, non_blocking=True)
+        inv = moved(inv_scale, device, inv_scale.dtype)
         for grads in by_dtype.values():
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
         flags[device] = found

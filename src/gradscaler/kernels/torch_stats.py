@@ -32,11 +32,12 @@ it (NaN propagates through the sum): flag = ``not isfinite(inf-norm) or isnan(p-
 from __future__ import annotations
 
 import math
+from itertools import groupby
 from typing import NamedTuple
 
 import torch
 
-from gradscaler.kernels import GradStats, host_reads_free
+from gradscaler.kernels import GradStats, host_reads_free, moved
 
 _DOT_DTYPES = (torch.float32, torch.float64)
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -198,7 +199,7 @@ def _layout(sizes: tuple[int, ...]) -> _Layout | None:
     small = sorted((i for i, n in enumerate(sizes) if n < SMALL), key=sizes.__getitem__)
     found = None
     if len(small) >= 8:
-        runs = [(n, sum(1 for i in small if sizes[i] == n)) for n in sorted({sizes[i] for i in small})]
+        runs = [(n, len(list(run))) for n, run in groupby(sizes[i] for i in small)]  # small is sorted by size
         lengths = torch.tensor([sizes[i] for i in small], dtype=torch.int64) if len(runs) > _MAX_RUNS else None
         order = None
         if big + small != list(range(len(sizes))):
@@ -233,10 +234,8 @@ def _cpu(grads: list[torch.Tensor], norm_type: float | None, inv_scale: torch.Te
         return GradStats(nonfinite, None)
     norms = raw if is_norm else raw.sqrt()
     if inv_scale is not None:  # in float64 after a fallback: no overflow before the multiply
-        same = inv_scale.dtype == norms.dtype and inv_scale.device == norms.device
-        norms = norms * (inv_scale if same else inv_scale.to(norms.device, norms.dtype))
-    out = norm_dtype(grads[0].dtype)
-    return GradStats(nonfinite, norms if norms.dtype == out else norms.to(out))
+        norms = norms * moved(inv_scale, norms.device, norms.dtype)
+    return GradStats(nonfinite, moved(norms, norms.device, norm_dtype(grads[0].dtype)))
 
 
 def _generic(grads: list[torch.Tensor], norm_type: float | None, inv_scale: torch.Tensor | None) -> GradStats:
