@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -274,29 +275,27 @@ def mixed_single(fused: bool, clip: bool, world: int) -> dict[str, Any]:
     return trace
 
 
-def conflicting_groups(rank: int, mesh2d: Any) -> dict[str, Any]:
-    """Two gradients sharded over different dimensions of a 2-d mesh: no order-free answer exists."""
+def two_dimension_groups(rank: int, mesh2d: Any) -> dict[str, Any]:
+    """Parameters sharded over different dimensions of a 2-d mesh: each dimension's group is reduced over."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    def ranks(agreement: distributed.Agreement) -> list[list[int]]:
+        return [dist.get_process_group_ranks(group) for group in agreement.groups]
 
     row = distribute_tensor(torch.ones(4, 2), mesh2d, [Shard(0), Replicate()])
     col = distribute_tensor(torch.ones(4, 2), mesh2d, [Replicate(), Shard(0)])
-    out: dict[str, Any] = {}
-    for name, grads in (("row-col", [row, col]), ("col-row", [torch.ones(1), col, row])):
-        try:
-            distributed.agreement_group(grads)
-            out[name] = None
-        except ValueError as exc:
-            out[name] = str(exc)
-    out["explicit"] = distributed.agreement_group([row, col], dist.group.WORLD) is dist.group.WORLD
+    dims = [dist.get_process_group_ranks(mesh2d.get_group(dim)) for dim in (0, 1)]
+    out: dict[str, Any] = {"row-col": ranks(distributed.resolve([row, col])), "want-row-col": dims}
+    out["col-row"] = ranks(distributed.resolve([torch.ones(1), col, row]))
+    out["want-col-row"] = dims[::-1]
+    explicit = distributed.resolve([row, col], dist.group.WORLD)
+    out["explicit"] = explicit.groups == (dist.group.WORLD,)
     # The same mesh layout built twice: distinct group objects over the same ranks are one group.
-    from torch.distributed.device_mesh import init_device_mesh
-
     twin = distribute_tensor(torch.ones(4, 2), init_device_mesh("cpu", (2, 2)), [Replicate(), Shard(0)])
-    same = distributed.agreement_group(
-        [torch.ones(1), col, twin, row.redistribute(placements=[Replicate(), Replicate()])]
-    )
-    out["same-ranks"] = dist.get_process_group_ranks(same)
-    out["want-ranks"] = dist.get_process_group_ranks(mesh2d.get_group(1))
+    same = distributed.resolve([torch.ones(1), col, twin, row.redistribute(placements=[Replicate(), Replicate()])])
+    out["same-ranks"] = ranks(same)
+    out["want-ranks"] = [dims[1]]
     return out
 
 
@@ -313,7 +312,7 @@ def mixed_scenarios(rank: int, world: int) -> dict[str, Any]:
         assert coordinate is not None
         bad = coordinate[1] == 1
         meshes.append(("mesh2d", mesh2d, (Replicate(), Shard(0)), (Replicate(), Replicate()), bad))
-        out["conflict"] = conflicting_groups(rank, mesh2d)
+        out["two-dims"] = two_dimension_groups(rank, mesh2d)
     for mesh_tag, mesh, shard_placements, replicate_placements, bad in meshes:
         for order in MIXED_ORDERS:
             for fused in (False, True):
@@ -366,7 +365,15 @@ def write_result(out_dir: str, rank: int, result: dict[str, Any]) -> None:
     os.replace(tmp, final)
 
 
-def main(rank: int, world: int, out_dir: str) -> None:
+def main(
+    rank: int,
+    world: int,
+    out_dir: str,
+    run: Callable[[int, int], dict[str, Any]] = scenarios,
+    timeout: datetime.timedelta = COLLECTIVE_TIMEOUT,
+) -> None:
+    """Rank ``rank`` of ``world``: ``run(rank, world)`` under a gloo group whose collectives time out
+    after ``timeout``; its result (or its traceback) written to ``result_path``."""
     # Python stacks of a crash (fatal signal) or a hang land in rank<r>.log, which the test shows.
     log = open(log_path(out_dir, rank), "w")  # noqa: SIM115 - kept open for faulthandler until exit
     faulthandler.enable(file=log)
@@ -380,9 +387,9 @@ def main(rank: int, world: int, out_dir: str) -> None:
             init_method=f"file://{store_path(out_dir)}",
             rank=rank,
             world_size=world,
-            timeout=COLLECTIVE_TIMEOUT,
+            timeout=timeout,
         )
-        result: dict[str, Any] = {"scenarios": scenarios(rank, world)}
+        result: dict[str, Any] = {"scenarios": run(rank, world)}
         ok = True
     except BaseException:
         result = {"error": traceback.format_exc()}

@@ -190,13 +190,50 @@ def test_check_clip_arguments(max_norm: object, norm_type: object, error: type) 
     assert check_clip_arguments(1, 2) == 2.0
 
 
-def test_global_norm_splits_shards_from_whole_tensors_and_combines_them() -> None:
-    """Without a process group the reduction is a no-op: the result is the norm of every tensor."""
-    from gradscaler.clipping import global_norm
+def test_global_norm_without_a_reduction_is_the_norm_of_every_tensor() -> None:
+    from gradscaler import distributed
+    from gradscaler.clipping import global_norm, total_norm
 
     cpu = torch.device("cpu")
     norms = {cpu: torch.tensor([3.0, 4.0, 12.0])}
-    for sharded in ([True, True, True], [True, False, True], [False, False, False]):
-        got = global_norm(norms, {cpu: sharded}, 2.0, cpu, None)
-        assert got.item() == pytest.approx(13.0)
-    assert global_norm(norms, {cpu: [False, True, False]}, float("inf"), cpu, None).item() == 12.0
+    owners = {cpu: {torch.float32: [torch.ones(1), torch.ones(1), torch.ones(1)]}}
+    for agreement in (distributed.LOCAL, distributed.explicit_agreement(object())):  # no process group here
+        for norm_type in (1.0, 2.0, 3.0, math.inf):
+            assert torch.equal(global_norm(norms, owners, norm_type, cpu, agreement), total_norm(norms, norm_type, cpu))
+
+
+@pytest.mark.parametrize("norm_type", [1.0, 2.0, 3.0, math.inf])
+def test_global_norm_reduces_each_class_over_exactly_its_groups(
+    monkeypatch: pytest.MonkeyPatch, norm_type: float
+) -> None:
+    """Two groups of two identical ranks (a SUM doubles, a MAX keeps): a whole tensor counts once, a
+    tensor sharded over group 0 twice, one sharded over both groups four times; one collective per group."""
+    from gradscaler import distributed
+    from gradscaler.clipping import global_norm
+
+    calls: list[object] = []
+
+    def all_reduce(tensor: torch.Tensor, op: object, group: object) -> None:
+        calls.append(group)
+        if op == torch.distributed.ReduceOp.SUM:
+            tensor.mul_(2)
+
+    monkeypatch.setattr(distributed, "running", lambda: True)
+    monkeypatch.setattr(distributed.dist, "all_reduce", all_reduce)
+    cpu = torch.device("cpu")
+    whole, dp, both = torch.ones(1), torch.ones(1), torch.ones(1)
+    groups = (object(), object())
+    agreement = distributed.Agreement(groups, ((), (0,), (0, 1)), {id(dp): 1, id(both): 2})
+    norms = {cpu: torch.tensor([3.0, 4.0, 12.0, 5.0], dtype=torch.float64)}
+    owners = {cpu: {torch.float64: [both, whole, dp, whole]}}
+    got = global_norm(norms, owners, norm_type, cpu, agreement)
+    if math.isinf(norm_type):
+        want = 12.0
+    else:
+        want = (4 * 3.0**norm_type + 4.0**norm_type + 2 * 12.0**norm_type + 5.0**norm_type) ** (1 / norm_type)
+    assert got.dtype == torch.float64 and got.item() == pytest.approx(want, rel=1e-12)
+    assert calls == list(groups)
+    # A rank holding none of the gradients issues the same collectives and contributes nothing.
+    calls.clear()
+    assert global_norm({}, {}, norm_type, cpu, agreement).item() == 0.0
+    assert calls == list(groups)

@@ -47,27 +47,35 @@ def total_norm(norms: dict[torch.device, torch.Tensor], norm_type: float, device
 
 def global_norm(
     norms: dict[torch.device, torch.Tensor],
-    sharded: dict[torch.device, list[bool]],
+    owners: GradGroups,
     norm_type: float,
     device: torch.device,
-    group: Any | None,
+    agreement: distributed.Agreement,
 ) -> torch.Tensor:
-    """The norm over every rank of ``group``: shards' norms reduced over it, whole tensors counted once.
+    """The norm of the gradients on every rank, as ``agreement`` says to reduce them.
 
-    ``sharded[d][i]`` says whether tensor ``i`` of ``norms[d]`` is a shard (each rank holds part of
-    it) or whole on every rank (a plain or Replicate gradient, which a sum over ranks would count once
-    per rank). Every rank must call this with the same layout: it issues one collective.
+    ``norms[d]`` holds the norms of the gradients of ``owners[d]`` (flattened over dtypes, in that
+    order). Each class of ``agreement`` (gradients sharded over the same groups, or whole) is normed
+    locally and reduced over exactly its groups; a class this rank holds no gradient of contributes
+    0, so every rank issues the same collectives. Without a reduction: ``total_norm`` itself.
     """
-    if all(all(flags) for flags in sharded.values()):  # FSDP2: every gradient is a shard
-        return distributed.reduce_norm_(total_norm(norms, norm_type, device), norm_type, group)
-    shards: dict[torch.device, torch.Tensor] = {}
-    whole: dict[torch.device, torch.Tensor] = {}
-    for dev, device_norms in norms.items():
-        mask = torch.tensor(sharded[dev], dtype=torch.bool).to(dev, non_blocking=True)
-        shards[dev], whole[dev] = device_norms[mask], device_norms[~mask]
-    reduced = distributed.reduce_norm_(total_norm(shards, norm_type, device), norm_type, group)
-    rest = total_norm(whole, norm_type, device)
-    return total_norm({device: torch.stack([reduced, rest])}, norm_type, device)
+    if not agreement.reduces():
+        return total_norm(norms, norm_type, device)
+    dtype = torch.float64 if any(n.dtype == torch.float64 for n in norms.values()) else torch.float32
+    if len(agreement.classes) == 1:
+        parts = total_norm(norms, norm_type, device).to(dtype).reshape(1)
+    else:
+        by_class: list[dict[torch.device, torch.Tensor]] = [{} for _ in agreement.classes]
+        for dev, device_norms in norms.items():
+            labels = agreement.class_labels([p for params in owners[dev].values() for p in params])
+            if len(set(labels)) == 1:
+                by_class[labels[0]][dev] = device_norms
+                continue
+            label_of = torch.tensor(labels).to(dev, non_blocking=True)
+            for label in set(labels):
+                by_class[label][dev] = device_norms[label_of == label]
+        parts = torch.stack([total_norm(part, norm_type, device).to(dtype) for part in by_class])
+    return distributed.reduce_norms(parts, norm_type, agreement)
 
 
 def clip_coefficient(total: torch.Tensor, max_norm: float, on_host: bool = False) -> torch.Tensor:

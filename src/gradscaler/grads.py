@@ -21,6 +21,7 @@ from itertools import repeat
 
 import torch
 
+from gradscaler.distributed import Agreement
 from gradscaler.kernels import grad_stats, host_reads_free, moved
 
 GradGroups = dict[torch.device, dict[torch.dtype, list[torch.Tensor]]]
@@ -57,12 +58,14 @@ class ParamList:
     Valid while the optimizer has as many param groups as when it was built and each group's
     ``params`` holds the same tensors, compared by identity (one C-level pass): a group added, a
     parameter added, removed or replaced, or another optimizer at the same ``id`` rebuilds it.
-    Gradients are never cached: ``group_grads`` reads every ``.grad`` afresh.
+    Gradients are never cached: ``group_grads`` reads every ``.grad`` afresh. ``agreement`` holds
+    what the caller resolved from the parameters (``distributed.resolve``); a rebuild drops it.
     """
 
     def __init__(self) -> None:
         self._groups: list[list[torch.Tensor]] = []
         self._params: list[torch.Tensor] = []
+        self.agreement: Agreement | None = None
 
     def of(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
         """The parameters of ``optimizer`` (the cached list when its groups are unchanged)."""
@@ -74,6 +77,7 @@ class ParamList:
         ):
             self._groups = [list(g["params"]) for g in groups]
             self._params = [p for params in self._groups for p in params]
+            self.agreement = None
         return self._params
 
 

@@ -197,10 +197,11 @@ class GradScaler(torch.amp.GradScaler):
         self._check_scale_growth_tracker("unscale_")
         record = self._per_optimizer_states[id(optimizer)]
         self._check_stage(record, "unscale_()")
-        inv_scale = self._inv_scale()
         params = self._params(optimizer)
+        agreement = self._agreement(optimizer, params)  # before any gradient is touched: a refusal changes nothing
+        inv_scale = self._inv_scale()
         per_device = grads.unscale_and_check_(grads.group_grads(params, allow_fp16=False), inv_scale)
-        self._record_found_inf(optimizer, record, per_device, self._agreement_group(params))
+        self._record_found_inf(optimizer, record, per_device, agreement)
         record["grads_factor"] = inv_scale
         record["stage"] = OptState.UNSCALED
 
@@ -228,13 +229,13 @@ class GradScaler(torch.amp.GradScaler):
         hand_off = fused.supports_amp_scaling(optimizer) and not fused.takes_grad_scaler_kwarg(optimizer)
         owners = grads.new_groups()
         params = self._params(optimizer)
+        agreement = self._agreement(optimizer, params)
         groups = grads.group_grads(params, allow_fp16=hand_off and not unscaled, owners=owners)
         inv_scale = None if unscaled else self._inv_scale()
         norms, flags = grads.norms_and_check(groups, norm_type, inv_scale)  # norms of the unscaled gradients
-        group = self._agreement_group(params)  # one walk over the gradients for the flag and the norm
         if not unscaled:
-            self._record_found_inf(optimizer, record, flags, group)
-        total = self._total_norm(norms, owners, norm_type, group)
+            self._record_found_inf(optimizer, record, flags, agreement)
+        total = clipping.global_norm(norms, owners, norm_type, scale.device, agreement)
         self._monitor.grad_norms[id(optimizer)] = [
             ([p for params in owners[device].values() for p in params], device_norms)
             for device, device_norms in norms.items()
@@ -525,36 +526,13 @@ class GradScaler(torch.amp.GradScaler):
             scale.fill_(rule.positive_finite("new_scale", new_scale))
         rule.clamp_scale_(scale, self._rule)
 
-    def _agreement_group(self, params: list[torch.Tensor]) -> Any | None:
-        """The group whose ranks must agree on the flag and norm of ``params``' gradients (None: this process alone)."""
-        if self._process_group is not None:
-            return self._process_group
-        if not distributed.running():  # one process: no gradient read (~0.1 us each)
-            return None
-        return distributed.agreement_group(map(grads.GRAD, params), None)
-
-    def _total_norm(
-        self,
-        norms: dict[torch.device, torch.Tensor],
-        owners: grads.GradGroups,
-        norm_type: float,
-        group: Any | None,
-    ) -> torch.Tensor:
-        """The norm of all of ``optimizer``'s gradients on every rank: shards' norms reduced, whole tensors once.
-
-        With an explicit ``process_group`` every gradient is taken as partitioned over it. With DTensor
-        gradients, only the sharded ones are reduced over their mesh: a plain or Replicate gradient is
-        whole on every rank and counts once.
-        """
-        assert self._scale is not None
-        device = self._scale.device
-        if group is None or self._process_group is not None:
-            return distributed.reduce_norm_(clipping.total_norm(norms, norm_type, device), norm_type, group)
-        sharded = {
-            dev: [distributed.is_sharded(p.grad) for params in owners[dev].values() for p in params]  # type: ignore[arg-type]
-            for dev in norms
-        }
-        return clipping.global_norm(norms, sharded, norm_type, device, group)
+    def _agreement(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> distributed.Agreement:
+        """The collectives over which ``optimizer``'s flag and norm agree, resolved from ``params``, its
+        parameters from ``_params`` (never from gradients, which differ between ranks); kept with them."""
+        cached = self._param_lists[id(optimizer)]
+        if cached.agreement is None or cached.agreement.explicit is not self._process_group:
+            cached.agreement = distributed.resolve(params, self._process_group)
+        return cached.agreement
 
     def _params(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
         """``optimizer``'s parameters, cached between iterations (see ``grads.ParamList``)."""
@@ -568,13 +546,13 @@ class GradScaler(torch.amp.GradScaler):
         optimizer: torch.optim.Optimizer,
         record: OptimizerRecord,
         per_device: dict[torch.device, torch.Tensor],
-        group: Any | None,
+        agreement: distributed.Agreement,
     ) -> torch.Tensor:
-        """Store the per-device flags and their combination, agreed over ``group`` (on the scale's device)."""
+        """Store the per-device flags and their combination, agreed as ``agreement`` says (on the scale's device)."""
         scale, _ = self._check_scale_growth_tracker("step")
         flags = [flag.to(scale.device, non_blocking=True) for flag in per_device.values()]
         combined = grads.combine_flags(flags) if flags else torch.zeros((), dtype=torch.float32, device=scale.device)
-        distributed.agree_on_flag_(combined, group)
+        distributed.agree_on_flag_(combined, agreement)
         record["found_inf_per_device"] = per_device
         record["found_inf"] = combined
         record["optimizer"] = weakref.ref(optimizer)
@@ -654,8 +632,9 @@ class GradScaler(torch.amp.GradScaler):
         self._check_scale_growth_tracker("_check_inf_per_device")
         record = self._per_optimizer_states[id(optimizer)]
         params = self._params(optimizer)
+        agreement = self._agreement(optimizer, params)
         groups = grads.group_grads(params, allow_fp16=True)
-        self._record_found_inf(optimizer, record, grads.nonfinite_flags(groups), self._agreement_group(params))
+        self._record_found_inf(optimizer, record, grads.nonfinite_flags(groups), agreement)
         return record["found_inf_per_device"]
 
     def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:  # type: ignore[override]
