@@ -104,6 +104,18 @@ class GradScaler(torch.amp.GradScaler):
         history: length of the on-device ring of past scales and skip flags.
     """
 
+    # torch's class whose name this class stands for under ``patch_torch()`` (see ``__setstate__``).
+    _torch_class: type = torch.amp.GradScaler
+    # Whether a subclass overrides torch's hooks (set by __init_subclass__): then they are called where
+    # torch's scaler calls them; otherwise the faster paths run.
+    _custom_unscale = False
+    _custom_opt_step = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._custom_unscale = cls._unscale_grads_ is not GradScaler._unscale_grads_
+        cls._custom_opt_step = cls._maybe_opt_step is not GradScaler._maybe_opt_step
+
     def __init__(
         self,
         device: str = "cuda",
@@ -199,7 +211,10 @@ class GradScaler(torch.amp.GradScaler):
         self._check_stage(record, "unscale_()")
         inv_scale = self._inv_scale()
         params = self._params(optimizer)
-        per_device = grads.unscale_and_check_(grads.group_grads(params, allow_fp16=False), inv_scale)
+        if self._custom_unscale:  # torch's hook, as torch's unscale_ calls it
+            per_device = self._unscale_grads_(optimizer, inv_scale, torch.zeros_like(inv_scale), False)
+        else:
+            per_device = grads.unscale_and_check_(grads.group_grads(params, allow_fp16=False), inv_scale)
         self._record_found_inf(optimizer, record, per_device, self._agreement_group(params))
         record["grads_factor"] = inv_scale
         record["stage"] = OptState.UNSCALED
@@ -224,6 +239,8 @@ class GradScaler(torch.amp.GradScaler):
         self._check_stage(record, "clip_grad_norm_()", allow_unscaled=True)
         if record.get("clipped"):
             raise RuntimeError("clip_grad_norm_() has already been called on this optimizer since the last update().")
+        if self._custom_unscale and record["stage"] is OptState.READY:
+            self.unscale_(optimizer)  # the subclass's unscaling hook sees every gradient, as with unscale_ + clip
         unscaled = record["stage"] is OptState.UNSCALED
         hand_off = fused.supports_amp_scaling(optimizer) and not fused.takes_grad_scaler_kwarg(optimizer)
         owners = grads.new_groups()
@@ -274,7 +291,10 @@ class GradScaler(torch.amp.GradScaler):
             else:
                 if record["stage"] is OptState.READY:
                     self.unscale_(optimizer)
-                retval = None if record["found_inf"].item() else optimizer.step(*args, **kwargs)
+                if self._custom_opt_step:
+                    retval = self._maybe_opt_step(optimizer, record, *args, **kwargs)  # type: ignore[arg-type]
+                else:
+                    retval = None if record["found_inf"].item() else optimizer.step(*args, **kwargs)
         except BaseException:
             self._restart_optimizer_iteration(optimizer)
             raise
@@ -482,6 +502,8 @@ class GradScaler(torch.amp.GradScaler):
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        if "_rule" not in state:  # torch's own scaler, pickled by name and unpickled while patch_torch() is on
+            self.__class__ = self._torch_class  # type: ignore[assignment]
         self.__dict__.update(state)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> GradScaler:
@@ -654,8 +676,12 @@ class GradScaler(torch.amp.GradScaler):
         self._check_scale_growth_tracker("_check_inf_per_device")
         record = self._per_optimizer_states[id(optimizer)]
         params = self._params(optimizer)
-        groups = grads.group_grads(params, allow_fp16=True)
-        self._record_found_inf(optimizer, record, grads.nonfinite_flags(groups), self._agreement_group(params))
+        if self._custom_unscale:  # torch's hook with inv_scale 1, as torch calls it
+            ones = torch.ones((), dtype=torch.float32, device=self._scale.device)  # type: ignore[union-attr]
+            flags = self._unscale_grads_(optimizer, ones, torch.zeros_like(ones), True)
+        else:
+            flags = grads.nonfinite_flags(grads.group_grads(params, allow_fp16=True))
+        self._record_found_inf(optimizer, record, flags, self._agreement_group(params))
         return record["found_inf_per_device"]
 
     def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:  # type: ignore[override]
