@@ -144,10 +144,17 @@ class GradScaler(torch.amp.GradScaler):
                 raise AssertionError("The growth factor must be > 1.0.")
             if backoff_factor >= 1.0:
                 raise AssertionError("The backoff factor must be < 1.0.")
-        self._rule = rule.ScaleRule(
-            growth_factor, backoff_factor, growth_interval, hysteresis, hysteresis_refill, min_scale, max_scale
+        self._rule = rule.ScaleRule().with_changes(  # a disabled scaler checks nothing, as torch's
+            self._enabled,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            hysteresis=hysteresis,
+            hysteresis_refill=hysteresis_refill,
+            min_scale=min_scale,
+            max_scale=max_scale,
         )
-        self._init_scale = self._rule.clamp(rule.positive_finite("init_scale", init_scale))
+        self._init_scale = self._rule.initial_scale(init_scale, self._enabled)
         self._history = rule.integer("history", history, 1, 2**31 - 1)
         self._monitor = Monitor(collapse_patience, on_collapse)
         self._init_growth_tracker = 0
@@ -335,9 +342,11 @@ class GradScaler(torch.amp.GradScaler):
         """Update the scale by the rule in the class docstring, or set it to ``new_scale``.
 
         No host sync. Call once per iteration, after ``step`` for every optimizer. ``new_scale`` is a
-        positive float or int, or a 1-element float tensor on the scaler's device type. The iteration
-        is over once the scale has moved: an error from a logger or the collapse check raised here
-        leaves a scaler ready for the next iteration.
+        positive float or int, or a 1-element float tensor on the scaler's device type; NaN, inf and
+        values <= 0 are refused (``ValueError``), except a tensor on a device whose reads sync (CUDA),
+        which leaves the scale unchanged instead. The iteration is over once the scale has moved: an
+        error from a logger or the collapse check raised here leaves a scaler ready for the next
+        iteration.
         """
         if not self._enabled:
             return
@@ -373,24 +382,28 @@ class GradScaler(torch.amp.GradScaler):
         return self._rule.growth_factor
 
     def set_growth_factor(self, new_factor: float) -> None:
-        """Set the growth factor (a finite number > 1; ``ValueError`` otherwise, nothing changed)."""
-        self._rule = self._rule.with_changes(growth_factor=new_factor)
+        """Set the growth factor: a finite number > 1, else ``ValueError`` and no change (disabled: no error)."""
+        self._growth_factor = new_factor
 
     def get_backoff_factor(self) -> float:
         """The factor applied to the scale after an overflow."""
         return self._rule.backoff_factor
 
     def set_backoff_factor(self, new_factor: float) -> None:
-        """Set the backoff factor (a number in (0, 1); ``ValueError`` otherwise, nothing changed)."""
-        self._rule = self._rule.with_changes(backoff_factor=new_factor)
+        """Set the backoff factor: a number in (0, 1), else ``ValueError`` and no change (disabled: no error)."""
+        self._backoff_factor = new_factor
 
     def get_growth_interval(self) -> int:
         """The number of consecutive clean steps before the scale grows."""
         return self._rule.growth_interval
 
     def set_growth_interval(self, new_interval: int) -> None:
-        """Set the growth interval (an int >= 1; ``ValueError`` otherwise, nothing changed)."""
-        self._rule = self._rule.with_changes(growth_interval=new_interval)
+        """Set the growth interval: an int >= 1, else ``ValueError`` and no change (disabled: no error).
+
+        Clean steps already counted past the new interval count as ``new_interval - 1``: the next clean
+        step grows the scale (torch's tracker would pass the interval and never grow again).
+        """
+        self._growth_interval = new_interval
 
     def is_enabled(self) -> bool:
         """Whether this scaler scales (False after ``enabled=False`` or CUDA missing)."""
@@ -541,8 +554,11 @@ class GradScaler(torch.amp.GradScaler):
         if isinstance(new_scale, torch.Tensor):
             if new_scale.device.type != self._device or new_scale.numel() != 1 or new_scale.requires_grad:
                 raise AssertionError(_NEW_SCALE_REASON)
-            scale.copy_(new_scale.reshape(()))
-            torch.nan_to_num_(scale, nan=self._rule.lower)  # no host read to refuse a NaN tensor: use the floor
+            value = new_scale.detach().reshape(())
+            if self._scale_on_host:  # reading it is free: refused as a float would be
+                scale.fill_(rule.positive_finite("new_scale", value.item()))
+            else:  # refusing would cost a host sync: a NaN, inf or value <= 0 leaves the scale as it was
+                scale.copy_(torch.where(torch.isfinite(value) & (value > 0), value.to(scale.dtype), scale))
         else:
             scale.fill_(rule.positive_finite("new_scale", new_scale))
         rule.clamp_scale_(scale, self._rule)
@@ -619,7 +635,7 @@ class GradScaler(torch.amp.GradScaler):
 
     @_growth_factor.setter
     def _growth_factor(self, value: float) -> None:
-        self._rule = self._rule.with_changes(growth_factor=value)
+        self._rule = self._rule.with_changes(self._enabled, growth_factor=value)
 
     @property
     def _backoff_factor(self) -> float:
@@ -627,7 +643,7 @@ class GradScaler(torch.amp.GradScaler):
 
     @_backoff_factor.setter
     def _backoff_factor(self, value: float) -> None:
-        self._rule = self._rule.with_changes(backoff_factor=value)
+        self._rule = self._rule.with_changes(self._enabled, backoff_factor=value)
 
     @property
     def _growth_interval(self) -> int:
@@ -635,7 +651,11 @@ class GradScaler(torch.amp.GradScaler):
 
     @_growth_interval.setter
     def _growth_interval(self, value: int) -> None:
-        self._rule = self._rule.with_changes(growth_interval=value)
+        self._rule = self._rule.with_changes(self._enabled, growth_interval=value)
+        highest = self._rule.growth_interval - 1  # the rule grows when the tracker reaches the interval
+        self._init_growth_tracker = min(self._init_growth_tracker, highest)
+        if self._growth_tracker is not None:
+            self._growth_tracker.clamp_(max=highest)
 
     def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
         fix = "This may indicate your script did not use scaler.scale(loss or outputs) earlier in the iteration."
