@@ -131,3 +131,11 @@ def test_without_overrides_the_hooks_stay_off_the_fast_path() -> None:
             return super()._maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)
 
     assert OnlyStep._custom_opt_step and not OnlyStep._custom_unscale
+
+
+def test_is_torch_patched_is_public_and_says_whether_the_patch_is_in_effect() -> None:
+    assert "is_torch_patched" in gradscaler.__all__ and gradscaler.is_torch_patched.__doc__
+    assert not gradscaler.is_torch_patched()
+    with gradscaler.patch_torch():
+        assert gradscaler.is_torch_patched()
+    assert not gradscaler.is_torch_patched()

@@ -37,6 +37,9 @@ def test_a_disabled_scaler_builds_wherever_torchs_does(settings: dict[str, Any])
     assert all(not s.is_enabled() for s in disabled_scalers(torch.amp.GradScaler, settings))
     for scaler in disabled_scalers(GradScaler, settings):
         assert not scaler.is_enabled() and scaler.get_scale() == 1.0 and scaler.state_dict() == {}
+        defaults = {"growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}
+        for name, default in defaults.items():  # torch's raise AttributeError; ours give the default
+            assert getattr(scaler, f"get_{name}")() == default
         param = torch.nn.Parameter(torch.ones(2))
         optimizer = torch.optim.SGD([param], lr=0.5)
         loss = param.sum()

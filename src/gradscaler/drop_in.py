@@ -222,5 +222,5 @@ def _unpatch_locked() -> None:
 
 
 def is_torch_patched() -> bool:
-    """Whether ``patch_torch()`` is in effect."""
+    """Whether ``patch_torch()`` is in effect: torch's GradScaler spellings build gradscaler's scaler."""
     return _originals is not None
