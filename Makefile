@@ -5,21 +5,29 @@ BIN := $(VENV)/bin
 # The CPU build of torch that lies on disk on these machines; with a GPU, install torch your usual way
 # first (e.g. `make TORCH_SPEC=torch`) or in your own environment: `pip install -e .[dev]`.
 TORCH_SPEC ?= torch==2.13.0
+# Two stamps in one .venv: the demo's (torch, gradscaler, matplotlib) and, on top of it, the test
+# set-up's (dev tools, Triton, the frameworks the integration tests drive). `make demo` installs only
+# the first; `make test` both.
+DEMO_STAMP := $(VENV)/.demo-installed
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint bench gpu-test clean
 
-$(STAMP): pyproject.toml Makefile
+$(DEMO_STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet -e ".[plot]"
+	touch $(DEMO_STAMP)
+
+$(STAMP): $(DEMO_STAMP)
 	$(BIN)/pip install --quiet -e ".[dev,plot,triton,ecosystem]"
 	# timm needs torchvision, which has no CPU build for torch 2.13: the tests use the timm modules
 	# NativeScaler is made of, none of which imports torchvision (docs/integrations.md).
 	$(BIN)/pip install --quiet --no-deps timm==1.0.31
 	touch $(STAMP)
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(BIN)/gradscaler demo
 
 lint: $(STAMP)

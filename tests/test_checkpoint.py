@@ -64,6 +64,7 @@ def test_without_bounds_a_tiny_scale_lands_on_the_floor() -> None:
         ("scale", 1e300, ValueError),
         ("scale", True, TypeError),
         ("_growth_tracker", 2**31, ValueError),
+        ("_growth_tracker", 17, ValueError),  # RULE's growth_interval: the rule would count past it and wrap
         ("_hysteresis_tracker", 4, ValueError),
         ("steps", -1, ValueError),
         ("growths", 2.0, TypeError),

@@ -127,6 +127,38 @@ def test_report_skipped_steps_refuses_torchs_scaler_and_is_idempotent() -> None:
     assert report_skipped_steps(optimizer) is optimizer and optimizer.__dict__["step"] is first
 
 
+def test_report_skipped_steps_before_prepare_says_to_call_it_after() -> None:
+    """It patches the optimizers prepared so far: before prepare() there are none, and it used to do nothing."""
+    from gradscaler.frameworks import report_skipped_steps
+
+    accelerator = gpu_path_accelerator(gradscaler.GradScaler("cpu"))
+    with pytest.raises(ValueError, match=r"no prepared optimizer: call it after `accelerator\.prepare\(\.\.\.\)`"):
+        report_skipped_steps(accelerator)
+    model = mlp()
+    _, optimizer = accelerator.prepare(model, adamw(model.parameters(), True))
+    assert report_skipped_steps(accelerator) is accelerator and "step" in optimizer.__dict__
+
+
+def test_accelerate_fsdp1_builds_torchs_sharded_scaler_under_patch_torch_and_the_helpers_say_so() -> None:
+    """Accelerate's FSDP (v1) path builds ShardedGradScaler, torch's subclass, which the patch leaves alone."""
+    if not torch.distributed.is_available():
+        pytest.skip("torch.distributed is not available")
+    from accelerate.utils import DistributedType, get_grad_scaler
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    from gradscaler.frameworks import report_skipped_steps
+
+    with gradscaler.patch_torch(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "CUDA is not available" on this machine
+        sharded = get_grad_scaler(DistributedType.FSDP)
+    assert type(sharded) is ShardedGradScaler and not isinstance(sharded, gradscaler.GradScaler)
+    accelerator = gpu_path_accelerator(sharded)
+    model = mlp()
+    accelerator.prepare(model, adamw(model.parameters(), True))
+    with pytest.raises(TypeError, match=r"FSDP \(version 1\) path builds torch's ShardedGradScaler, which gradscaler"):
+        report_skipped_steps(accelerator)
+
+
 def test_accelerate_get_grad_scaler_builds_ours_under_patch_torch() -> None:
     """Accelerate builds its scaler with ``torch.amp.GradScaler("cuda", **kwargs)`` (get_grad_scaler)."""
     from accelerate.utils import get_grad_scaler
@@ -248,3 +280,11 @@ def test_hf_trainer_skipped_steps_callback_holds_the_schedule_on_skipped_steps(t
     assert sum(skipped) == scaler.stats()["skipped_steps"] > 1
     lrs = record.extra["lr"]  # logged before the step's scheduler call: moves after each real step only
     assert [lrs[i] != lrs[i - 1] for i in range(1, len(lrs))] == [not s for s in skipped[:-1]]
+
+
+def test_hf_trainer_skipped_steps_callback_with_torchs_scaler_says_to_patch_before_trainer(tmp_path: Any) -> None:
+    """Without patch_torch() the Trainer's scaler is torch's (on a GPU): the first optimizer step says what to do."""
+    from gradscaler.frameworks import SkippedStepsCallback
+
+    with pytest.raises(TypeError, match=r"call gradscaler\.patch_torch\(\) before Trainer\(\.\.\.\)"):
+        trainer_run(torch.amp.GradScaler("cpu"), tmp_path, steps=2, callbacks=[SkippedStepsCallback()])

@@ -154,3 +154,15 @@ def test_lightning_trainer_is_bit_identical_to_torchs_scaler(fused: bool, clip: 
     assert records["torch"].scales[0] < EARLY_OVERFLOW["init_scale"]
     assert records["torch"].scales[7] == records["torch"].scales[6] / 2
     assert_bit_identical(records["torch"], records["ours"])
+
+
+def test_on_the_cpu_the_16_mixed_string_is_bf16_without_a_scaler_and_the_plugin_keeps_fp16() -> None:
+    """docs/integrations.md: on the CPU Lightning turns the string "16-mixed" into "bf16-mixed" (no scaler),
+    patched or not; the plugin ``MixedPrecision("16-mixed", "cpu")`` keeps float16 and, patched, builds ours."""
+    with gradscaler.patch_torch():
+        with pytest.warns(UserWarning, match=r"precision='16-mixed'\)` but AMP with fp16 is not supported on CPU"):
+            by_string = lightning.Fabric(accelerator="cpu", devices=1, precision="16-mixed")
+        by_plugin = lightning.Fabric(accelerator="cpu", devices=1, plugins=[FabricMixedPrecision("16-mixed", "cpu")])
+    assert by_string._precision.precision == "bf16-mixed" and by_string._precision.scaler is None
+    assert by_plugin._precision.precision == "16-mixed"
+    assert type(by_plugin._precision.scaler) is gradscaler.GradScaler

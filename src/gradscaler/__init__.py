@@ -3,7 +3,7 @@
 Only the names in ``__all__`` are API; module paths below this package may change between releases.
 """
 
-from gradscaler.drop_in import patch_torch, unpatch_torch
+from gradscaler.drop_in import is_torch_patched, patch_torch, unpatch_torch
 from gradscaler.errors import ScaleCollapseError, ScaleCollapseWarning
 from gradscaler.monitor import JsonLinesLogger
 from gradscaler.scaler import GradScaler, OptState
@@ -16,6 +16,7 @@ __all__ = [
     "OptState",
     "ScaleCollapseError",
     "ScaleCollapseWarning",
+    "is_torch_patched",
     "patch_torch",
     "unpatch_torch",
 ]

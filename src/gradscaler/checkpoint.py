@@ -27,7 +27,7 @@ EXTENSION_KEYS = (
 )
 LEGACY_KEYS = ("hysteresis_refill_on_growth",)
 """Written by gradscaler 0.1.0 (a bool for ``hysteresis_refill == "growth"``); still read."""
-INT64_MAX = 2**63 - 1
+INT64_MAX = rule.INT64_MAX
 
 
 class ScalerState(NamedTuple):
@@ -86,11 +86,24 @@ def parse_state_dict(state_dict: Any, current: ScaleRule) -> ScalerState:
     return ScalerState(
         rule=policy,
         scale=policy.clamp(scale),
-        growth_tracker=rule.integer("state_dict['_growth_tracker']", state_dict["_growth_tracker"], 0, rule.INT32_MAX),
+        growth_tracker=_growth_tracker(state_dict["_growth_tracker"], policy),
         hysteresis_tracker=rule.integer("state_dict['_hysteresis_tracker']", hysteresis, 0, policy.hysteresis),
         counters=counters,
         steps=_count(state_dict, "steps", INT64_MAX),
     )
+
+
+def _growth_tracker(value: Any, policy: ScaleRule) -> int:
+    try:
+        return rule.integer("state_dict['_growth_tracker']", value, 0, policy.growth_interval - 1)
+    except ValueError as error:
+        # One at or past the interval would count up to int32's end and wrap negative (the rule grows
+        # and restarts only when it reaches the interval), and the scaler's own state dict would no
+        # longer load.
+        raise ValueError(
+            f"{error} It counts clean steps towards growth_interval ({policy.growth_interval}), where the "
+            "scale grows and it restarts at 0."
+        ) from error
 
 
 def _count(state_dict: dict[str, Any], key: str, high: int) -> int:

@@ -18,6 +18,7 @@ torch's. Patch first, then import and build the training code.
 
 from __future__ import annotations
 
+import copyreg
 import importlib
 import threading
 import warnings
@@ -69,6 +70,7 @@ class CudaAmpGradScaler(_DevicelessSpelling):
 
     _spelled_device = "cuda"
     _deprecation = _CUDA_DEPRECATION
+    _torch_class = torch.cuda.amp.GradScaler  # torch's, captured at import (before any patch)
 
 
 class CpuAmpGradScaler(_DevicelessSpelling):
@@ -80,6 +82,7 @@ class CpuAmpGradScaler(_DevicelessSpelling):
 
     _spelled_device = "cpu"
     _deprecation = _CPU_DEPRECATION
+    _torch_class = torch.cpu.amp.GradScaler
 
 
 # (module, attribute, replacement): every place torch binds a GradScaler class under a public name.
@@ -100,6 +103,22 @@ _lock = threading.Lock()
 _originals: dict[tuple[str, str], Any] | None = None
 
 
+def _rebuild_torch_scaler(module_name: str, name: str, state: dict[str, Any]) -> Any:
+    """Unpickle a scaler of torch's own class pickled while patched: torch's class again, patched or not."""
+    cls = getattr(importlib.import_module(module_name), name)
+    cls = getattr(cls, "_torch_class", cls)  # patched: the name holds our class, which knows torch's
+    scaler = cls.__new__(cls)
+    scaler.__setstate__(state)
+    return scaler
+
+
+def _reduce_torch_scaler(scaler: Any) -> tuple[Any, ...]:
+    # While patched, pickle's by-name look-up of torch's class finds ours and refuses ("not the same
+    # object"): torch's scalers are pickled through _rebuild_torch_scaler instead (copyreg).
+    cls = type(scaler)
+    return (_rebuild_torch_scaler, (cls.__module__, cls.__qualname__, scaler.__getstate__()))
+
+
 def _spellings() -> list[tuple[Any, str, str, type]]:
     found = []
     for module_name, attr, replacement in _SPELLINGS:
@@ -116,23 +135,26 @@ class TorchPatch:
     """The handle ``patch_torch()`` returns: a context manager, and ``undo()``.
 
     Leaving the ``with`` block (or ``undo()``) restores torch's classes only if this handle's call
-    applied the patch: in ``with patch_torch(): ... with patch_torch(): ...`` the inner block changes
-    nothing on entry or exit, and the outer one restores torch on exit.
+    applied the patch and that very patch is still installed: in ``with patch_torch(): ... with
+    patch_torch(): ...`` the inner block changes nothing on entry or exit, and the outer one restores
+    torch on exit; a handle whose patch ``unpatch_torch()`` already removed leaves a later patch alone.
     """
 
-    def __init__(self, applied: bool) -> None:
-        self._applied = applied
+    def __init__(self, installed: dict[tuple[str, str], Any] | None) -> None:
+        self._installed = installed  # the patch this call installed (compared by identity), or None
 
     @property
     def applied(self) -> bool:
         """Whether this call installed the patch (False when torch was already patched)."""
-        return self._applied
+        return self._installed is not None
 
     def undo(self) -> None:
-        """Restore torch's classes if this handle installed the patch (and it is still installed)."""
-        if self._applied:
-            self._applied = False
-            unpatch_torch()
+        """Restore torch's classes if this handle installed the patch and it is still installed."""
+        installed, self._installed = self._installed, None
+        if installed is not None:
+            with _lock:
+                if _originals is installed:
+                    _unpatch_locked()
 
     def __enter__(self) -> TorchPatch:
         return self
@@ -156,7 +178,7 @@ def patch_torch() -> TorchPatch:
     global _originals
     with _lock:
         if _originals is not None:
-            return TorchPatch(applied=False)
+            return TorchPatch(None)
         for name in _SUBCLASSING_MODULES:
             if torch.distributed.is_available():
                 importlib.import_module(name)
@@ -164,8 +186,9 @@ def patch_torch() -> TorchPatch:
         for module, module_name, attr, replacement in _spellings():
             originals[(module_name, attr)] = getattr(module, attr)
             setattr(module, attr, replacement)
+            copyreg.pickle(originals[(module_name, attr)], _reduce_torch_scaler)
         _originals = originals
-        return TorchPatch(applied=True)
+        return TorchPatch(originals)
 
 
 def unpatch_torch() -> None:
@@ -174,24 +197,30 @@ def unpatch_torch() -> None:
     A no-op when not patched. A name that someone else rebound while patched is left as they set it,
     with a ``RuntimeWarning``.
     """
-    global _originals
     with _lock:
-        if _originals is None:
-            return
-        replacements = {(module_name, attr): replacement for module_name, attr, replacement in _SPELLINGS}
-        for (module_name, attr), original in _originals.items():
-            module = importlib.import_module(module_name)
-            if getattr(module, attr) is replacements[(module_name, attr)]:
-                setattr(module, attr, original)
-            else:
-                warnings.warn(
-                    f"{module_name}.{attr} was rebound while gradscaler's patch was installed; left as it is.",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-        _originals = None
+        _unpatch_locked()
+
+
+def _unpatch_locked() -> None:
+    global _originals
+    if _originals is None:
+        return
+    replacements = {(module_name, attr): replacement for module_name, attr, replacement in _SPELLINGS}
+    for (module_name, attr), original in _originals.items():
+        if copyreg.dispatch_table.get(original) is _reduce_torch_scaler:
+            del copyreg.dispatch_table[original]
+        module = importlib.import_module(module_name)
+        if getattr(module, attr) is replacements[(module_name, attr)]:
+            setattr(module, attr, original)
+        else:
+            warnings.warn(
+                f"{module_name}.{attr} was rebound while gradscaler's patch was installed; left as it is.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+    _originals = None
 
 
 def is_torch_patched() -> bool:
-    """Whether ``patch_torch()`` is in effect."""
+    """Whether ``patch_torch()`` is in effect: torch's GradScaler spellings build gradscaler's scaler."""
     return _originals is not None

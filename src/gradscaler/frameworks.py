@@ -25,20 +25,36 @@ from gradscaler.scaler import GradScaler
 __all__ = ["SkippedStepsCallback", "report_skipped_steps"]  # noqa: F822 (SkippedStepsCallback: module __getattr__)
 
 
-def _scaler_of(optimizer: Any) -> GradScaler:
+_ACCELERATE_FIX = (
+    "set `accelerator.scaler = gradscaler.GradScaler(...)` before `accelerator.prepare(...)`, or call "
+    "gradscaler.patch_torch() before Accelerator(...)"
+)
+_TRAINER_FIX = (
+    "call gradscaler.patch_torch() before Trainer(...), or set `trainer.accelerator.scaler = "
+    "gradscaler.GradScaler(...)` after Trainer(...) and before train()"
+)
+_SHARDED = (
+    "Accelerate's FSDP (version 1) path builds torch's ShardedGradScaler, which gradscaler.patch_torch() does "
+    "not replace (docs/integrations.md); with FSDP2 (fsdp_version=2) Accelerate builds torch.amp.GradScaler, "
+    "which the patch makes gradscaler's"
+)
+
+
+def _scaler_of(optimizer: Any, helper: str = "report_skipped_steps", fix: str = _ACCELERATE_FIX) -> GradScaler:
     scaler = getattr(optimizer, "scaler", None)
     if not isinstance(scaler, GradScaler):
+        why = f"{_SHARDED}. " if type(scaler).__name__ == "ShardedGradScaler" else ""
         raise TypeError(
-            "report_skipped_steps needs an accelerate AcceleratedOptimizer prepared with gradscaler's GradScaler "
-            f"(set `accelerator.scaler = gradscaler.GradScaler(...)` before `prepare`); its scaler is {scaler!r}."
+            f"{helper} needs an accelerate AcceleratedOptimizer prepared with gradscaler's GradScaler; its scaler "
+            f"is {scaler!r}. {why}To use gradscaler's: {fix}."
         )
     return scaler
 
 
-def _tell(optimizer: Any) -> None:
+def _tell(optimizer: Any, helper: str = "report_skipped_steps", fix: str = _ACCELERATE_FIX) -> None:
     """Set the Accelerate optimizer's skip flag from its scaler's last update (one host read)."""
     if optimizer.gradient_state.sync_gradients:
-        optimizer._is_overflow = _scaler_of(optimizer).last_step_skipped()
+        optimizer._is_overflow = _scaler_of(optimizer, helper, fix).last_step_skipped()
 
 
 class _TruthfulStep:
@@ -63,18 +79,26 @@ class _TruthfulStep:
 def report_skipped_steps(target: Any) -> Any:
     """Make Accelerate's ``step_was_skipped`` true to the scaler, at one host read per step. Opt-in.
 
-    ``target`` is an ``accelerate.Accelerator`` (every optimizer it has prepared so far) or one
-    ``AcceleratedOptimizer``; their scaler must be gradscaler's :class:`~gradscaler.GradScaler` (set
-    ``accelerator.scaler`` before ``prepare``). After each synchronising ``optimizer.step()`` the
-    optimizer's ``step_was_skipped`` (and ``accelerator.optimizer_step_was_skipped``) is
-    ``scaler.last_step_skipped()``. Idempotent; returns ``target``.
+    ``target`` is an ``accelerate.Accelerator`` (every optimizer it has prepared so far: call it after
+    ``prepare``, ``ValueError`` when there is none) or one ``AcceleratedOptimizer``; their scaler must be
+    gradscaler's :class:`~gradscaler.GradScaler` (set ``accelerator.scaler`` before ``prepare``, or
+    ``patch_torch()`` before ``Accelerator(...)``; ``TypeError`` otherwise). After each synchronising
+    ``optimizer.step()`` the optimizer's ``step_was_skipped`` (and
+    ``accelerator.optimizer_step_was_skipped``) is ``scaler.last_step_skipped()``. Idempotent; returns
+    ``target``.
 
     Usage::
 
         model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
         report_skipped_steps(accelerator)   # scheduler.step() now holds on skipped steps
     """
-    optimizers = target._optimizers if hasattr(target, "_optimizers") and hasattr(target, "prepare") else [target]
+    accelerator = hasattr(target, "_optimizers") and hasattr(target, "prepare")
+    optimizers = target._optimizers if accelerator else [target]
+    if accelerator and not optimizers:  # it patches prepared optimizers: before prepare() there are none
+        raise ValueError(
+            "report_skipped_steps(accelerator) found no prepared optimizer: call it after "
+            "`accelerator.prepare(...)` (again after preparing more optimizers)."
+        )
     for optimizer in optimizers:
         _scaler_of(optimizer)
         current = optimizer.__dict__.get("step")
@@ -96,12 +120,14 @@ def _make_callback_class() -> type:
         ``Trainer(..., callbacks=[SkippedStepsCallback()])``. After each optimizer step it sets
         Accelerate's ``step_was_skipped`` from ``GradScaler.last_step_skipped()`` (one host read per
         step), which the Trainer reads before ``lr_scheduler.step()``. Needs gradscaler's scaler in
-        ``trainer.accelerator.scaler`` before ``train()``.
+        ``trainer.accelerator.scaler`` before ``train()`` (``patch_torch()`` before ``Trainer(...)``):
+        with torch's, the first optimizer step raises ``TypeError`` saying so. Without any scaler
+        (``fp16`` off, or the CPU, where Accelerate builds none) there is nothing to report.
         """
 
         def on_optimizer_step(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
             if optimizer is not None and getattr(optimizer, "scaler", None) is not None:
-                _tell(optimizer)
+                _tell(optimizer, "SkippedStepsCallback", _TRAINER_FIX)
 
     SkippedStepsCallback.__module__ = __name__
     SkippedStepsCallback.__qualname__ = "SkippedStepsCallback"

@@ -19,6 +19,7 @@ import torch
 
 from gradscaler.errors import COLLAPSE_CAUSES, ScaleCollapseError, ScaleCollapseWarning
 from gradscaler.grads import checkable_view
+from gradscaler.rule import INT64_MAX
 
 Logger = Callable[[dict[str, Any]], None]
 NormRecord = tuple[list[torch.Tensor], torch.Tensor]
@@ -75,7 +76,8 @@ class Monitor:
 
     def record_update(self, optimizers: list[weakref.ReferenceType[torch.optim.Optimizer]]) -> None:
         """Count one completed update and remember its optimizers for attribution."""
-        self.steps += 1
+        if self.steps < INT64_MAX:  # saturates: a state dict keeps a loadable count after any number of steps
+            self.steps += 1
         self.last_optimizers = optimizers
 
     def after_update(self, landed: dict[str, Any] | None) -> None:

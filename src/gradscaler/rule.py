@@ -16,6 +16,7 @@ accept too, and a scaler's own ``state_dict()`` always loads.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import struct
@@ -30,6 +31,8 @@ SCALE_FLOOR = 2.0**-126
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 INT32_MAX = 2**31 - 1
 """Trackers and the intervals they count to live in int32 device tensors."""
+INT64_MAX = 2**63 - 1
+"""The step count saturates here, so that a scaler's own state dict loads after any number of steps."""
 
 REFILL_MODES = ("clean", "growth")
 
@@ -115,12 +118,34 @@ class ScaleRule:
                 f"min_scale ({self.min_scale!r}) and max_scale ({self.max_scale!r}) hold no float32 value between them."
             )
 
-    def with_changes(self, **changes: Any) -> ScaleRule:
-        """A new rule with ``changes`` applied, validated like any other."""
+    def with_changes(self, strict: bool = True, **changes: Any) -> ScaleRule:
+        """A new rule with ``changes`` applied, validated like any other.
+
+        ``strict=False`` (a disabled scaler, whose settings torch never checks and nothing uses): each
+        change that would be refused is left out instead.
+        """
         unknown = sorted(set(changes) - {f.name for f in fields(self)})
         if unknown:
             raise TypeError(f"ScaleRule has no field(s) {unknown}.")
-        return replace(self, **changes)
+        if strict:
+            return replace(self, **changes)
+        rule = self
+        for name, value in changes.items():
+            with contextlib.suppress(TypeError, ValueError):
+                rule = replace(rule, **{name: value})
+        return rule
+
+    def initial_scale(self, init_scale: Any, strict: bool = True) -> float:
+        """``init_scale`` checked (a finite number > 0) and moved into ``[lower, upper]``.
+
+        ``strict=False`` (a disabled scaler, which never scales): 2**16 where it would be refused.
+        """
+        try:
+            return self.clamp(positive_finite("init_scale", init_scale))
+        except (TypeError, ValueError):
+            if strict:
+                raise
+            return self.clamp(2.0**16)
 
     @property
     def lower(self) -> float:

@@ -104,6 +104,18 @@ class GradScaler(torch.amp.GradScaler):
         history: length of the on-device ring of past scales and skip flags.
     """
 
+    # torch's class whose name this class stands for under ``patch_torch()`` (see ``__setstate__``).
+    _torch_class: type = torch.amp.GradScaler
+    # Whether a subclass overrides torch's hooks (set by __init_subclass__): then they are called where
+    # torch's scaler calls them; otherwise the faster paths run.
+    _custom_unscale = False
+    _custom_opt_step = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._custom_unscale = cls._unscale_grads_ is not GradScaler._unscale_grads_
+        cls._custom_opt_step = cls._maybe_opt_step is not GradScaler._maybe_opt_step
+
     def __init__(
         self,
         device: str = "cuda",
@@ -132,10 +144,17 @@ class GradScaler(torch.amp.GradScaler):
                 raise AssertionError("The growth factor must be > 1.0.")
             if backoff_factor >= 1.0:
                 raise AssertionError("The backoff factor must be < 1.0.")
-        self._rule = rule.ScaleRule(
-            growth_factor, backoff_factor, growth_interval, hysteresis, hysteresis_refill, min_scale, max_scale
+        self._rule = rule.ScaleRule().with_changes(  # a disabled scaler checks nothing, as torch's
+            self._enabled,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            hysteresis=hysteresis,
+            hysteresis_refill=hysteresis_refill,
+            min_scale=min_scale,
+            max_scale=max_scale,
         )
-        self._init_scale = self._rule.clamp(rule.positive_finite("init_scale", init_scale))
+        self._init_scale = self._rule.initial_scale(init_scale, self._enabled)
         self._history = rule.integer("history", history, 1, 2**31 - 1)
         self._monitor = Monitor(collapse_patience, on_collapse)
         self._init_growth_tracker = 0
@@ -200,7 +219,10 @@ class GradScaler(torch.amp.GradScaler):
         params = self._params(optimizer)
         agreement = self._agreement(optimizer, params)  # before any gradient is touched: a refusal changes nothing
         inv_scale = self._inv_scale()
-        per_device = grads.unscale_and_check_(grads.group_grads(params, allow_fp16=False), inv_scale)
+        if self._custom_unscale:  # torch's hook, as torch's unscale_ calls it
+            per_device = self._unscale_grads_(optimizer, inv_scale, torch.zeros_like(inv_scale), False)
+        else:
+            per_device = grads.unscale_and_check_(grads.group_grads(params, allow_fp16=False), inv_scale)
         self._record_found_inf(optimizer, record, per_device, agreement)
         record["grads_factor"] = inv_scale
         record["stage"] = OptState.UNSCALED
@@ -225,6 +247,8 @@ class GradScaler(torch.amp.GradScaler):
         self._check_stage(record, "clip_grad_norm_()", allow_unscaled=True)
         if record.get("clipped"):
             raise RuntimeError("clip_grad_norm_() has already been called on this optimizer since the last update().")
+        if self._custom_unscale and record["stage"] is OptState.READY:
+            self.unscale_(optimizer)  # the subclass's unscaling hook sees every gradient, as with unscale_ + clip
         unscaled = record["stage"] is OptState.UNSCALED
         hand_off = fused.supports_amp_scaling(optimizer) and not fused.takes_grad_scaler_kwarg(optimizer)
         owners = grads.new_groups()
@@ -275,7 +299,10 @@ class GradScaler(torch.amp.GradScaler):
             else:
                 if record["stage"] is OptState.READY:
                     self.unscale_(optimizer)
-                retval = None if record["found_inf"].item() else optimizer.step(*args, **kwargs)
+                if self._custom_opt_step:
+                    retval = self._maybe_opt_step(optimizer, record, *args, **kwargs)  # type: ignore[arg-type]
+                else:
+                    retval = None if record["found_inf"].item() else optimizer.step(*args, **kwargs)
         except BaseException:
             self._restart_optimizer_iteration(optimizer)
             raise
@@ -316,9 +343,11 @@ class GradScaler(torch.amp.GradScaler):
         """Update the scale by the rule in the class docstring, or set it to ``new_scale``.
 
         No host sync. Call once per iteration, after ``step`` for every optimizer. ``new_scale`` is a
-        positive float or int, or a 1-element float tensor on the scaler's device type. The iteration
-        is over once the scale has moved: an error from a logger or the collapse check raised here
-        leaves a scaler ready for the next iteration.
+        positive float or int, or a 1-element float tensor on the scaler's device type; NaN, inf and
+        values <= 0 are refused (``ValueError``), except a tensor on a device whose reads sync (CUDA),
+        which leaves the scale unchanged instead. The iteration is over once the scale has moved: an
+        error from a logger or the collapse check raised here leaves a scaler ready for the next
+        iteration.
         """
         if not self._enabled:
             return
@@ -354,24 +383,28 @@ class GradScaler(torch.amp.GradScaler):
         return self._rule.growth_factor
 
     def set_growth_factor(self, new_factor: float) -> None:
-        """Set the growth factor (a finite number > 1; ``ValueError`` otherwise, nothing changed)."""
-        self._rule = self._rule.with_changes(growth_factor=new_factor)
+        """Set the growth factor: a finite number > 1, else ``ValueError`` and no change (disabled: no error)."""
+        self._growth_factor = new_factor
 
     def get_backoff_factor(self) -> float:
         """The factor applied to the scale after an overflow."""
         return self._rule.backoff_factor
 
     def set_backoff_factor(self, new_factor: float) -> None:
-        """Set the backoff factor (a number in (0, 1); ``ValueError`` otherwise, nothing changed)."""
-        self._rule = self._rule.with_changes(backoff_factor=new_factor)
+        """Set the backoff factor: a number in (0, 1), else ``ValueError`` and no change (disabled: no error)."""
+        self._backoff_factor = new_factor
 
     def get_growth_interval(self) -> int:
         """The number of consecutive clean steps before the scale grows."""
         return self._rule.growth_interval
 
     def set_growth_interval(self, new_interval: int) -> None:
-        """Set the growth interval (an int >= 1; ``ValueError`` otherwise, nothing changed)."""
-        self._rule = self._rule.with_changes(growth_interval=new_interval)
+        """Set the growth interval: an int >= 1, else ``ValueError`` and no change (disabled: no error).
+
+        Clean steps already counted past the new interval count as ``new_interval - 1``: the next clean
+        step grows the scale (torch's tracker would pass the interval and never grow again).
+        """
+        self._growth_interval = new_interval
 
     def is_enabled(self) -> bool:
         """Whether this scaler scales (False after ``enabled=False`` or CUDA missing)."""
@@ -483,6 +516,8 @@ class GradScaler(torch.amp.GradScaler):
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        if "_rule" not in state:  # torch's own scaler, pickled by name and unpickled while patch_torch() is on
+            self.__class__ = self._torch_class  # type: ignore[assignment]
         self.__dict__.update(state)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> GradScaler:
@@ -520,8 +555,11 @@ class GradScaler(torch.amp.GradScaler):
         if isinstance(new_scale, torch.Tensor):
             if new_scale.device.type != self._device or new_scale.numel() != 1 or new_scale.requires_grad:
                 raise AssertionError(_NEW_SCALE_REASON)
-            scale.copy_(new_scale.reshape(()))
-            torch.nan_to_num_(scale, nan=self._rule.lower)  # no host read to refuse a NaN tensor: use the floor
+            value = new_scale.detach().reshape(())
+            if self._scale_on_host:  # reading it is free: refused as a float would be
+                scale.fill_(rule.positive_finite("new_scale", value.item()))
+            else:  # refusing would cost a host sync: a NaN, inf or value <= 0 leaves the scale as it was
+                scale.copy_(torch.where(torch.isfinite(value) & (value > 0), value.to(scale.dtype), scale))
         else:
             scale.fill_(rule.positive_finite("new_scale", new_scale))
         rule.clamp_scale_(scale, self._rule)
@@ -575,7 +613,7 @@ class GradScaler(torch.amp.GradScaler):
 
     @_growth_factor.setter
     def _growth_factor(self, value: float) -> None:
-        self._rule = self._rule.with_changes(growth_factor=value)
+        self._rule = self._rule.with_changes(self._enabled, growth_factor=value)
 
     @property
     def _backoff_factor(self) -> float:
@@ -583,7 +621,7 @@ class GradScaler(torch.amp.GradScaler):
 
     @_backoff_factor.setter
     def _backoff_factor(self, value: float) -> None:
-        self._rule = self._rule.with_changes(backoff_factor=value)
+        self._rule = self._rule.with_changes(self._enabled, backoff_factor=value)
 
     @property
     def _growth_interval(self) -> int:
@@ -591,7 +629,11 @@ class GradScaler(torch.amp.GradScaler):
 
     @_growth_interval.setter
     def _growth_interval(self, value: int) -> None:
-        self._rule = self._rule.with_changes(growth_interval=value)
+        self._rule = self._rule.with_changes(self._enabled, growth_interval=value)
+        highest = self._rule.growth_interval - 1  # the rule grows when the tracker reaches the interval
+        self._init_growth_tracker = min(self._init_growth_tracker, highest)
+        if self._growth_tracker is not None:
+            self._growth_tracker.clamp_(max=highest)
 
     def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
         fix = "This may indicate your script did not use scaler.scale(loss or outputs) earlier in the iteration."
@@ -633,8 +675,12 @@ class GradScaler(torch.amp.GradScaler):
         record = self._per_optimizer_states[id(optimizer)]
         params = self._params(optimizer)
         agreement = self._agreement(optimizer, params)
-        groups = grads.group_grads(params, allow_fp16=True)
-        self._record_found_inf(optimizer, record, grads.nonfinite_flags(groups), agreement)
+        if self._custom_unscale:  # torch's hook with inv_scale 1, as torch calls it
+            ones = torch.ones((), dtype=torch.float32, device=self._scale.device)  # type: ignore[union-attr]
+            flags = self._unscale_grads_(optimizer, ones, torch.zeros_like(ones), True)
+        else:
+            flags = grads.nonfinite_flags(grads.group_grads(params, allow_fp16=True))
+        self._record_found_inf(optimizer, record, flags, agreement)
         return record["found_inf_per_device"]
 
     def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:  # type: ignore[override]
