@@ -106,15 +106,6 @@ class GradScaler(torch.amp.GradScaler):
 
     # torch's class whose name this class stands for under ``patch_torch()`` (see ``__setstate__``).
     _torch_class: type = torch.amp.GradScaler
-    # Whether a subclass overrides torch's hooks (set by __init_subclass__): then they are called where
-    # torch's scaler calls them; otherwise the faster paths run.
-    _custom_unscale = False
-    _custom_opt_step = False
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        cls._custom_unscale = cls._unscale_grads_ is not GradScaler._unscale_grads_
-        cls._custom_opt_step = cls._maybe_opt_step is not GradScaler._maybe_opt_step
 
     def __init__(
         self,
@@ -675,6 +666,16 @@ class GradScaler(torch.amp.GradScaler):
         self._telemetry = make_telemetry(
             self._scale.device, self._history, self._init_counters, on_host=self._scale_on_host
         )
+
+    # A subclass that overrides torch's hooks ``_unscale_grads_`` / ``_maybe_opt_step`` (ShardedGradScaler
+    # style) has them called where torch's scaler calls them; otherwise the faster paths run.
+    @property
+    def _custom_unscale(self) -> bool:
+        return type(self)._unscale_grads_ is not GradScaler._unscale_grads_
+
+    @property
+    def _custom_opt_step(self) -> bool:
+        return type(self)._maybe_opt_step is not GradScaler._maybe_opt_step
 
     def _unscale_grads_(
         self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
