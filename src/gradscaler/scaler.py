@@ -542,17 +542,10 @@ class GradScaler(torch.amp.GradScaler):
         return scale.double().reciprocal().float()
 
     def _set_scale(self, scale: torch.Tensor, new_scale: Any) -> None:
-        if isinstance(new_scale, torch.Tensor):
-            if new_scale.device.type != self._device or new_scale.numel() != 1 or new_scale.requires_grad:
-                raise AssertionError(_NEW_SCALE_REASON)
-            value = new_scale.detach().reshape(())
-            if self._scale_on_host:  # reading it is free: refused as a float would be
-                scale.fill_(rule.positive_finite("new_scale", value.item()))
-            else:  # refusing would cost a host sync: a NaN, inf or value <= 0 leaves the scale as it was
-                scale.copy_(torch.where(torch.isfinite(value) & (value > 0), value.to(scale.dtype), scale))
-        else:
-            scale.fill_(rule.positive_finite("new_scale", new_scale))
-        rule.clamp_scale_(scale, self._rule)
+        tensor = isinstance(new_scale, torch.Tensor)
+        if tensor and (new_scale.device.type != self._device or new_scale.numel() != 1 or new_scale.requires_grad):
+            raise AssertionError(_NEW_SCALE_REASON)
+        rule.set_scale_(scale, new_scale, self._rule, self._scale_on_host)
 
     def _agreement_group(self, params: list[torch.Tensor]) -> Any | None:
         """The group whose ranks must agree on the flag and norm of ``params``' gradients (None: this process alone)."""
