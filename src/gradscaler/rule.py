@@ -181,6 +181,23 @@ def _float32_toward(value: float, direction: int) -> float:
     return rounded
 
 
+def set_scale_(scale: torch.Tensor, new_scale: Any, rule: ScaleRule, on_host: bool) -> None:
+    """Set ``scale`` in place to ``new_scale`` (a number, or a 1-element tensor), moved into the bounds.
+
+    NaN, inf and values <= 0 raise ``ValueError`` and change nothing; except a tensor when reading it
+    would cost a host sync (``on_host`` False: the scale on a GPU), which leaves the scale as it was.
+    """
+    if isinstance(new_scale, torch.Tensor):
+        value = new_scale.detach().reshape(())
+        if on_host:  # reading it is free: refused as a float would be
+            scale.fill_(positive_finite("new_scale", value.item()))
+        else:
+            scale.copy_(torch.where(torch.isfinite(value) & (value > 0), value.to(scale.dtype), scale))
+    else:
+        scale.fill_(positive_finite("new_scale", new_scale))
+    clamp_scale_(scale, rule)
+
+
 def clamp_scale_(scale: torch.Tensor, rule: ScaleRule) -> torch.Tensor:
     """Clamp ``scale`` in place into ``[rule.lower, rule.upper]`` (a NaN stays NaN; the rule makes none)."""
     return scale.clamp_(rule.lower, rule.upper)

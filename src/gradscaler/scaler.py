@@ -106,15 +106,6 @@ class GradScaler(torch.amp.GradScaler):
 
     # torch's class whose name this class stands for under ``patch_torch()`` (see ``__setstate__``).
     _torch_class: type = torch.amp.GradScaler
-    # Whether a subclass overrides torch's hooks (set by __init_subclass__): then they are called where
-    # torch's scaler calls them; otherwise the faster paths run.
-    _custom_unscale = False
-    _custom_opt_step = False
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        cls._custom_unscale = cls._unscale_grads_ is not GradScaler._unscale_grads_
-        cls._custom_opt_step = cls._maybe_opt_step is not GradScaler._maybe_opt_step
 
     def __init__(
         self,
@@ -552,17 +543,10 @@ class GradScaler(torch.amp.GradScaler):
         return scale.double().reciprocal().float()
 
     def _set_scale(self, scale: torch.Tensor, new_scale: Any) -> None:
-        if isinstance(new_scale, torch.Tensor):
-            if new_scale.device.type != self._device or new_scale.numel() != 1 or new_scale.requires_grad:
-                raise AssertionError(_NEW_SCALE_REASON)
-            value = new_scale.detach().reshape(())
-            if self._scale_on_host:  # reading it is free: refused as a float would be
-                scale.fill_(rule.positive_finite("new_scale", value.item()))
-            else:  # refusing would cost a host sync: a NaN, inf or value <= 0 leaves the scale as it was
-                scale.copy_(torch.where(torch.isfinite(value) & (value > 0), value.to(scale.dtype), scale))
-        else:
-            scale.fill_(rule.positive_finite("new_scale", new_scale))
-        rule.clamp_scale_(scale, self._rule)
+        tensor = isinstance(new_scale, torch.Tensor)
+        if tensor and (new_scale.device.type != self._device or new_scale.numel() != 1 or new_scale.requires_grad):
+            raise AssertionError(_NEW_SCALE_REASON)
+        rule.set_scale_(scale, new_scale, self._rule, self._scale_on_host)
 
     def _agreement(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> distributed.Agreement:
         """The collectives over which ``optimizer``'s flag and norm agree, resolved from ``params``, its
@@ -653,6 +637,16 @@ class GradScaler(torch.amp.GradScaler):
         self._telemetry = make_telemetry(
             self._scale.device, self._history, self._init_counters, on_host=self._scale_on_host
         )
+
+    # A subclass that overrides torch's hooks ``_unscale_grads_`` / ``_maybe_opt_step`` (ShardedGradScaler
+    # style) has them called where torch's scaler calls them; otherwise the faster paths run.
+    @property
+    def _custom_unscale(self) -> bool:
+        return type(self)._unscale_grads_ is not GradScaler._unscale_grads_
+
+    @property
+    def _custom_opt_step(self) -> bool:
+        return type(self)._maybe_opt_step is not GradScaler._maybe_opt_step
 
     def _unscale_grads_(
         self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
