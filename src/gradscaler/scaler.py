@@ -150,7 +150,7 @@ class GradScaler(torch.amp.GradScaler):
         self._telemetry: Keeper | None = None
         self._scale_on_host = False  # set with the scale: reading it costs the host nothing (the CPU)
         self._last_found_inf: torch.Tensor | None = None
-        self._param_lists: dict[int, grads.ParamList] = {}
+        self._param_lists: grads.WeakById[grads.ParamList] = grads.WeakById()  # by optimizer, no longer than it
         # torch annotates the records as plain dicts; ours declare their keys.
         self._per_optimizer_states: dict[int, OptimizerRecord] = defaultdict(  # type: ignore[assignment]
             _refresh_per_optimizer_state
@@ -238,7 +238,7 @@ class GradScaler(torch.amp.GradScaler):
         if not unscaled:
             self._record_found_inf(optimizer, record, flags, group)
         total = self._total_norm(norms, owners, norm_type, group)
-        self._monitor.grad_norms[id(optimizer)] = [
+        self._monitor.grad_norms[optimizer] = [
             ([p for params in owners[device].values() for p in params], device_norms)
             for device, device_norms in norms.items()
         ]
@@ -476,11 +476,11 @@ class GradScaler(torch.amp.GradScaler):
             for name in ("_scale", "_growth_tracker", "_hysteresis_tracker", "_telemetry", "_last_found_inf"):
                 state[name] = None
         state["_process_group"] = None  # a process group belongs to this process
-        state["_param_lists"] = {}  # keyed by id(optimizer): meaningless in another process
+        state["_param_lists"] = None  # keyed by optimizers of this process
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
+        self.__dict__.update(state, _param_lists=grads.WeakById())
 
     def __deepcopy__(self, memo: dict[int, Any]) -> GradScaler:
         """A copy at an iteration boundary that keeps ``process_group``, loggers and parameter names."""
@@ -556,9 +556,9 @@ class GradScaler(torch.amp.GradScaler):
 
     def _params(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
         """``optimizer``'s parameters, cached between iterations (see ``grads.ParamList``)."""
-        cached = self._param_lists.get(id(optimizer))
+        cached = self._param_lists.get(optimizer)
         if cached is None:
-            cached = self._param_lists[id(optimizer)] = grads.ParamList()
+            cached = self._param_lists[optimizer] = grads.ParamList()
         return cached.of(optimizer)
 
     def _record_found_inf(
