@@ -237,3 +237,53 @@ def test_global_norm_reduces_each_class_over_exactly_its_groups(
     calls.clear()
     assert global_norm({}, {}, norm_type, cpu, agreement).item() == 0.0
     assert calls == list(groups)
+
+
+SMALL_CASES = {"floor": (2.0**-126, 1e-3), "near_min_normal": (2.0**16, 4 * torch.finfo(torch.float32).tiny)}
+
+
+@pytest.mark.parametrize("kernel", ["auto", "generic", "triton"])
+@pytest.mark.parametrize("p", [0.5, 1.0, 2.0, 3.5, math.inf], ids=str)
+@pytest.mark.parametrize("case", list(SMALL_CASES))
+def test_clip_at_small_scales_and_values_matches_torchs_recipe(
+    kernel: str, p: float, case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 20, item 4: at the scale floor 2**-126, and for gradients near float32's smallest normal,
+    the norm is the float64 norm of the unscaled gradients and the step is torch's unscale_ +
+    clip_grad_norm_ + step (which squares the unscaled values, so it is right at the floor; its own
+    norm of gradients near the smallest normal underflows, but its clip factor is 1 either way)."""
+    if kernel == "triton":
+        pytest.importorskip("triton")
+    if kernel != "auto":
+        monkeypatch.setenv("GRADSCALER_KERNEL", kernel)
+    scale, magnitude = SMALL_CASES[case]
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(64, 16), (64,), (8, 64), (8,)] + [(4,)] * 8  # the CPU route's shared buffer too
+    grads = [(torch.randn(s, generator=gen, dtype=torch.float64) * magnitude * scale).float() for s in shapes]
+    unscaled = [g.double() / scale for g in grads]
+    expected = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, p) for g in unscaled]), p)
+    max_norm = 0.5 * float(expected)  # clips: the coefficient is about 0.5 (floor) or tiny (near_min_normal)
+    results = []
+    for cls in (GradScaler, torch.amp.GradScaler):
+        torch.manual_seed(0)
+        params = [nn.Parameter(torch.randn(s)) for s in shapes]
+        opt = torch.optim.SGD(params, lr=1.0)
+        scaler = cls("cpu", init_scale=scale)
+        scaler.scale(torch.ones(()))  # sets the scale up; the gradients below stand for a backward
+        for param, grad in zip(params, grads, strict=True):
+            param.grad = grad.clone()
+        if cls is GradScaler:
+            total = scaler.clip_grad_norm_(opt, max_norm, p)
+        else:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(params, max_norm, p)
+        scaler.step(opt)
+        scaler.update()
+        results.append([param.detach().clone() for param in params])
+    tolerance = 1e-5 if p >= 1 else 1e-4  # float32 sums; for p < 1 their error grows by 1/p
+    if case == "near_min_normal" and p == 2.0:  # per-tensor norms ~1e-37: their float32 squares underflow
+        assert float(total) == 0.0  # as torch's total does; CLIP_EPSILON hides it from the clip factor
+    else:
+        torch.testing.assert_close(total.double(), expected, rtol=tolerance, atol=0)
+    for ours, theirs in zip(*results, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-9)

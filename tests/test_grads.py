@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from torch import nn
 
 from gradscaler import GradScaler
-from gradscaler.grads import group_grads, nonfinite_flags
+from gradscaler.grads import WeakById, group_grads, nonfinite_flags
 
 
 def test_sparse_gradients_are_unscaled_like_torch() -> None:
@@ -153,3 +156,14 @@ def test_param_list_rebuilds_on_identity_not_on_equality() -> None:
     assert cache.of(opt)[0] is b
     opt.add_param_group({"params": [a]})
     assert [id(p) for p in cache.of(opt)] == [id(b), id(a)]
+
+
+def test_weak_by_id_keeps_nothing_alive_and_matches_identity() -> None:
+    cache: WeakById[str] = WeakById()
+    a, b = torch.zeros(2), torch.zeros(2)
+    cache[a] = "a"
+    assert (cache.get(a), cache.get(b), cache.values()) == ("a", None, ["a"])
+    ref = weakref.ref(a)
+    del a
+    gc.collect()
+    assert ref() is None and cache.values() == [] and cache._data == {}

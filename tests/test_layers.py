@@ -21,6 +21,7 @@ LAYERS: dict[str, int] = {
     "telemetry": 0,
     "distributed": 0,
     "kernels": 0,
+    "stale": 0,
     "grads": 1,
     "fused": 2,
     "clipping": 2,

@@ -76,7 +76,8 @@ def test_last_grad_norms_are_labelled() -> None:
     a, b = torch.zeros(3), torch.zeros(2)
     monitor = Monitor()
     monitor.name_parameters([("a", a)])
-    monitor.grad_norms[0] = [([a, b], torch.tensor([2.0, 1.0]))]
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # the key: held weakly
+    monitor.grad_norms[optimizer] = [([a, b], torch.tensor([2.0, 1.0]))]
     assert monitor.last_grad_norms() == {"a": 2.0, "parameter 1 (2,)": 1.0}
 
 
@@ -84,11 +85,12 @@ def test_pickle_drops_process_local_state_and_deepcopy_keeps_it(tmp_path) -> Non
     monitor = Monitor(collapse_patience=None, steps=5)
     logger = JsonLinesLogger(tmp_path / "log.jsonl")
     monitor.add_logger(logger)
-    monitor.name_parameters([("w", torch.zeros(1))])
+    w = torch.zeros(1)  # names are held weakly by their parameter
+    monitor.name_parameters([("w", w)])
     pickled = pickle.loads(pickle.dumps(monitor))
-    assert (pickled.steps, pickled.loggers, pickled.param_names) == (5, [], {})
+    assert (pickled.steps, pickled.loggers, dict(pickled.param_names)) == (5, [], {})
     copied = copy.deepcopy(monitor)
-    assert copied.loggers == monitor.loggers and copied.param_names == monitor.param_names
+    assert copied.loggers == monitor.loggers and copied.label(w, "") == "w"
     copied.after_update(landed())
     assert json.loads((tmp_path / "log.jsonl").read_text())["step"] == 5
 

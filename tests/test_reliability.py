@@ -70,9 +70,9 @@ def test_a_retry_after_optimizer_step_raised_unscales_exactly_once(mode: str, cl
     if retry == "new_backward":  # the user's loop: zero the gradients and run the iteration again
         opt.zero_grad()
         backward(model, scaler, seed=1)
-    if clip:
-        scaler.clip_grad_norm_(opt, 1.0)
-    scaler.step(opt)
+        if clip:
+            scaler.clip_grad_norm_(opt, 1.0)
+    scaler.step(opt)  # same_gradients: a direct retry steps the unscaled (clipped) gradients as they are
     scaler.update()
     assert torch.equal(model.weight, reference_weights(mode, clip))
 

@@ -39,10 +39,22 @@ def total_norm(norms: dict[torch.device, torch.Tensor], norm_type: float, device
     float32, or float64 when some norms are (those of float64 gradients, which float32 may not hold).
     """
     dtype = torch.float64 if any(n.dtype == torch.float64 for n in norms.values()) else torch.float32
-    parts = [moved(torch.linalg.vector_norm(n, norm_type), device, dtype) for n in norms.values()]
+    parts = [moved(_combined(n, norm_type), device, dtype) for n in norms.values()]
     if not parts:
         return torch.zeros((), dtype=dtype, device=device)
-    return parts[0] if len(parts) == 1 else torch.linalg.vector_norm(torch.stack(parts), norm_type)
+    return parts[0] if len(parts) == 1 else moved(_combined(torch.stack(parts), norm_type), device, dtype)
+
+
+def _combined(norms: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """``vector_norm(norms, norm_type)``; powers above 2 in float64, where no float32 norm's power underflows.
+
+    In float32 the p-th power of a norm below ``2**(-126 / p)`` underflows: for p <= 2 only norms
+    below 2**-63, which ``CLIP_EPSILON`` hides from the clip factor (the returned norm of gradients
+    that small is 0, as torch's is); for p > 2 norms that would move it (2**-36 for p = 3.5).
+    """
+    if norm_type <= 2.0 or math.isinf(norm_type):
+        return torch.linalg.vector_norm(norms, norm_type)
+    return torch.linalg.vector_norm(norms, norm_type, dtype=torch.float64).to(norms.dtype)
 
 
 def global_norm(

@@ -15,9 +15,11 @@ contribute their local shard.
 from __future__ import annotations
 
 import operator
+import weakref
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from itertools import repeat
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -79,6 +81,37 @@ class ParamList:
             self._params = [p for params in self._groups for p in params]
             self.agreement = None
         return self._params
+
+
+V = TypeVar("V")
+
+
+class WeakById(Generic[V]):
+    """A map keyed weakly by object identity: an entry goes when its key is collected, and a new object
+    at a dead one's address finds nothing. A look-up is one dict get and one call (~0.5 us; torch's
+    ``WeakIdKeyDictionary`` builds a key reference per look-up, ~2 us)."""
+
+    def __init__(self) -> None:
+        self._data: dict[int, tuple[weakref.ReferenceType[Any], V]] = {}
+
+    def get(self, key: object) -> V | None:
+        """The value stored for ``key`` itself, or None."""
+        entry = self._data.get(id(key))
+        return entry[1] if entry is not None and entry[0]() is key else None
+
+    def __setitem__(self, key: object, value: V) -> None:
+        data, address = self._data, id(key)
+
+        def forget(ref: weakref.ReferenceType[Any]) -> None:  # holds the dict, not its owner
+            entry = data.get(address)
+            if entry is not None and entry[0] is ref:
+                del data[address]
+
+        data[address] = (weakref.ref(key, forget), value)
+
+    def values(self) -> list[V]:
+        """The values whose keys are alive."""
+        return [value for ref, value in list(self._data.values()) if ref() is not None]
 
 
 GRAD = operator.attrgetter("grad")

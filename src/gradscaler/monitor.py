@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from gradscaler.errors import COLLAPSE_CAUSES, ScaleCollapseError, ScaleCollapseWarning
-from gradscaler.grads import checkable_view
+from gradscaler.grads import WeakById, checkable_view
 from gradscaler.rule import INT64_MAX
 
 Logger = Callable[[dict[str, Any]], None]
@@ -34,7 +35,9 @@ class Monitor:
 
     ``steps`` counts completed ``update()`` calls. Loggers, parameter names, the last iteration's
     optimizers (weak references) and the clipping norms are per process: pickling drops them,
-    ``copy.deepcopy`` keeps them (see ``__getstate__`` and ``__deepcopy__``).
+    ``copy.deepcopy`` keeps them (see ``__getstate__`` and ``__deepcopy__``). Names and norms are
+    keyed weakly by the parameter and the optimizer themselves: they keep nothing alive, and go with
+    their key (a new object at a dead one's address inherits nothing).
     """
 
     def __init__(self, collapse_patience: int | None = 50, on_collapse: str = "raise", steps: int = 0) -> None:
@@ -48,8 +51,8 @@ class Monitor:
         self.on_collapse = on_collapse
         self.steps = steps
         self.loggers: list[tuple[Logger, int]] = []
-        self.param_names: dict[int, str] = {}
-        self.grad_norms: dict[int, list[NormRecord]] = {}
+        self.param_names: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> name
+        self.grad_norms: WeakById[list[NormRecord]] = WeakById()  # by optimizer
         self.last_optimizers: list[weakref.ReferenceType[torch.optim.Optimizer]] = []
         self._collapse_reported_at = -1
 
@@ -68,11 +71,12 @@ class Monitor:
 
     def name_parameters(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Remember ``name`` for each ``(name, parameter)``."""
-        self.param_names.update({id(param): name for name, param in pairs})
+        for name, param in pairs:
+            self.param_names[param] = name
 
     def label(self, param: torch.Tensor, where: str) -> str:
         """The parameter's name, or ``where`` and its shape when it was never named."""
-        return self.param_names.get(id(param)) or f"{where} {tuple(param.shape)}"
+        return self.param_names.get(param) or f"{where} {tuple(param.shape)}"
 
     def record_update(self, optimizers: list[weakref.ReferenceType[torch.optim.Optimizer]]) -> None:
         """Count one completed update and remember its optimizers for attribution."""
@@ -146,15 +150,18 @@ class Monitor:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(loggers=[], param_names={}, grad_norms={}, last_optimizers=[])
+        state.update(loggers=[], param_names=None, grad_norms=None, last_optimizers=[])
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, param_names=WeakIdKeyDictionary(), grad_norms=WeakById())
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Monitor:
         """A copy that keeps loggers (the same callbacks) and parameter names, unlike a pickle."""
         new = copy.copy(self)
         new.loggers = list(self.loggers)
-        new.param_names = dict(self.param_names)
-        new.grad_norms = {}
+        new.param_names = WeakIdKeyDictionary(self.param_names)
+        new.grad_norms = WeakById()
         new.last_optimizers = []
         return new
 

@@ -16,7 +16,7 @@ from typing import Any, TypedDict
 import torch
 from torch.amp.grad_scaler import OptState
 
-from gradscaler import checkpoint, clipping, distributed, fused, grads, kernels, rule
+from gradscaler import checkpoint, clipping, distributed, fused, grads, kernels, rule, stale
 from gradscaler.monitor import Monitor
 from gradscaler.telemetry import COUNTERS, Keeper, make_telemetry
 
@@ -38,8 +38,8 @@ class OptimizerRecord(TypedDict, total=False):
 
     ``stage`` and ``found_inf_per_device`` are torch's two keys (torch's ``OptState``); the others are
     ours: the agreed flag, a weak reference to the optimizer, the ``grad_scale`` a fused optimizer
-    receives after clipping, the factor by which its gradients were multiplied in place, and whether
-    ``clip_grad_norm_`` ran.
+    receives after clipping, whether ``clip_grad_norm_`` ran, and the gradients an unscaled record
+    describes when ``scale()`` found it not stepped (see ``stale``).
     """
 
     stage: OptState
@@ -47,8 +47,8 @@ class OptimizerRecord(TypedDict, total=False):
     found_inf: torch.Tensor
     optimizer: weakref.ReferenceType[torch.optim.Optimizer]
     grad_scale: torch.Tensor
-    grads_factor: torch.Tensor
     clipped: bool
+    grads_seen: stale.GradSnapshot
 
 
 def _refresh_per_optimizer_state() -> OptimizerRecord:
@@ -85,8 +85,10 @@ class GradScaler(torch.amp.GradScaler):
     without gradients is stepped rather than refused; a fused optimizer's gradients are checked by a
     read-only pass, not rewritten; state a fused optimizer creates on a skipped first step is dropped
     (torch's fused SGD keeps uninitialised momentum buffers); ``update(new_scale)`` takes an int;
-    ``step`` refuses a positional closure; an exception inside ``optimizer.step`` leaves the gradients
-    scaled, so a retried iteration unscales them exactly once.
+    ``step`` refuses a positional closure; after an exception inside ``optimizer.step`` a second
+    ``step`` steps the gradients as they are (unscaled and clipped once), and after an interrupted
+    iteration (``unscale_``, an exception, then ``zero_grad`` and a new backward) the new gradients
+    are unscaled once, where torch steps them still multiplied by the scale.
 
     Args:
         device: device type of the scale (``"cuda"``, ``"cpu"``, ...). ``"cuda"`` without CUDA warns
@@ -158,7 +160,7 @@ class GradScaler(torch.amp.GradScaler):
         self._telemetry: Keeper | None = None
         self._scale_on_host = False  # set with the scale: reading it costs the host nothing (the CPU)
         self._last_found_inf: torch.Tensor | None = None
-        self._param_lists: dict[int, grads.ParamList] = {}
+        self._param_lists: grads.WeakById[grads.ParamList] = grads.WeakById()  # by optimizer, no longer than it
         # torch annotates the records as plain dicts; ours declare their keys.
         self._per_optimizer_states: dict[int, OptimizerRecord] = defaultdict(  # type: ignore[assignment]
             _refresh_per_optimizer_state
@@ -177,6 +179,8 @@ class GradScaler(torch.amp.GradScaler):
         """
         if not self._enabled:
             return outputs
+        if self._per_optimizer_states:  # only after an interrupted iteration (see ``stale``)
+            self._watch_unscaled()
         copies: dict[torch.device, torch.Tensor] = {}
 
         def scale_one(value: Any) -> Any:
@@ -205,7 +209,7 @@ class GradScaler(torch.amp.GradScaler):
         if not self._enabled:
             return
         self._check_scale_growth_tracker("unscale_")
-        record = self._per_optimizer_states[id(optimizer)]
+        record = self._record(optimizer)
         self._check_stage(record, "unscale_()")
         params = self._params(optimizer)
         agreement = self._agreement(optimizer, params)  # before any gradient is touched: a refusal changes nothing
@@ -215,7 +219,6 @@ class GradScaler(torch.amp.GradScaler):
         else:
             per_device = grads.unscale_and_check_(grads.group_grads(params, allow_fp16=False), inv_scale)
         self._record_found_inf(optimizer, record, per_device, agreement)
-        record["grads_factor"] = inv_scale
         record["stage"] = OptState.UNSCALED
 
     def clip_grad_norm_(
@@ -234,7 +237,7 @@ class GradScaler(torch.amp.GradScaler):
             params = [p for p in grads.iter_params(optimizer) if p.grad is not None]
             return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)  # torch's, as torch would
         scale, _ = self._check_scale_growth_tracker("clip_grad_norm_")
-        record = self._per_optimizer_states[id(optimizer)]
+        record = self._record(optimizer)
         self._check_stage(record, "clip_grad_norm_()", allow_unscaled=True)
         if record.get("clipped"):
             raise RuntimeError("clip_grad_norm_() has already been called on this optimizer since the last update().")
@@ -251,7 +254,7 @@ class GradScaler(torch.amp.GradScaler):
         if not unscaled:
             self._record_found_inf(optimizer, record, flags, agreement)
         total = clipping.global_norm(norms, owners, norm_type, scale.device, agreement)
-        self._monitor.grad_norms[id(optimizer)] = [
+        self._monitor.grad_norms[optimizer] = [
             ([p for params in owners[device].values() for p in params], device_norms)
             for device, device_norms in norms.items()
         ]
@@ -259,9 +262,7 @@ class GradScaler(torch.amp.GradScaler):
         if hand_off and not unscaled:
             record["grad_scale"] = (scale / coef * getattr(optimizer, "grad_scale", 1)).float()
         else:
-            factor = coef if inv_scale is None else coef * inv_scale
-            clipping.scale_grads_(groups, factor)
-            record["grads_factor"] = factor * record["grads_factor"] if "grads_factor" in record else factor
+            clipping.scale_grads_(groups, coef if inv_scale is None else coef * inv_scale)
         record["stage"] = OptState.UNSCALED
         record["clipped"] = True
         return total
@@ -273,30 +274,27 @@ class GradScaler(torch.amp.GradScaler):
         exactly the iterations torch's scaler calls it: a fused optimizer always (it gets ``grad_scale``
         and ``found_inf`` and skips inside its kernel, no host sync except one on an optimizer's very
         first step), other optimizers only when every gradient is finite (one host sync). If
-        ``optimizer.step`` raises, the gradients are scaled back and the optimizer's iteration starts
-        over, so a retry unscales exactly once. Closures are refused.
+        ``optimizer.step`` raises, the record stands: calling ``step`` again steps the gradients as
+        they are, unscaled (and clipped) once; a new backward instead is unscaled afresh. Closures
+        are refused.
         """
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs or (args and callable(args[0])):
             raise RuntimeError(_CLOSURE_MESSAGE)
         self._check_scale_growth_tracker("step")
-        record = self._per_optimizer_states[id(optimizer)]
+        record = self._record(optimizer)
         if record["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
-        try:
-            if fused.supports_amp_scaling(optimizer):
-                retval = self._fused_step(optimizer, record, args, kwargs)
+        if fused.supports_amp_scaling(optimizer):
+            retval = self._fused_step(optimizer, record, args, kwargs)
+        else:
+            if record["stage"] is OptState.READY:
+                self.unscale_(optimizer)
+            if self._custom_opt_step:
+                retval = self._maybe_opt_step(optimizer, record, *args, **kwargs)  # type: ignore[arg-type]
             else:
-                if record["stage"] is OptState.READY:
-                    self.unscale_(optimizer)
-                if self._custom_opt_step:
-                    retval = self._maybe_opt_step(optimizer, record, *args, **kwargs)  # type: ignore[arg-type]
-                else:
-                    retval = None if record["found_inf"].item() else optimizer.step(*args, **kwargs)
-        except BaseException:
-            self._restart_optimizer_iteration(optimizer)
-            raise
+                retval = None if record["found_inf"].item() else optimizer.step(*args, **kwargs)
         record["stage"] = OptState.STEPPED
         return retval
 
@@ -503,13 +501,13 @@ class GradScaler(torch.amp.GradScaler):
             for name in ("_scale", "_growth_tracker", "_hysteresis_tracker", "_telemetry", "_last_found_inf"):
                 state[name] = None
         state["_process_group"] = None  # a process group belongs to this process
-        state["_param_lists"] = {}  # keyed by id(optimizer): meaningless in another process
+        state["_param_lists"] = None  # keyed by optimizers of this process
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         if "_rule" not in state:  # torch's own scaler, pickled by name and unpickled while patch_torch() is on
             self.__class__ = self._torch_class  # type: ignore[assignment]
-        self.__dict__.update(state)
+        self.__dict__.update(state, _param_lists=grads.WeakById())
 
     def __deepcopy__(self, memo: dict[int, Any]) -> GradScaler:
         """A copy at an iteration boundary that keeps ``process_group``, loggers and parameter names."""
@@ -551,16 +549,17 @@ class GradScaler(torch.amp.GradScaler):
     def _agreement(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> distributed.Agreement:
         """The collectives over which ``optimizer``'s flag and norm agree, resolved from ``params``, its
         parameters from ``_params`` (never from gradients, which differ between ranks); kept with them."""
-        cached = self._param_lists[id(optimizer)]
+        cached = self._param_lists.get(optimizer)
+        assert cached is not None, "_params(optimizer) comes first"
         if cached.agreement is None or cached.agreement.explicit is not self._process_group:
             cached.agreement = distributed.resolve(params, self._process_group)
         return cached.agreement
 
     def _params(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
         """``optimizer``'s parameters, cached between iterations (see ``grads.ParamList``)."""
-        cached = self._param_lists.get(id(optimizer))
+        cached = self._param_lists.get(optimizer)
         if cached is None:
-            cached = self._param_lists[id(optimizer)] = grads.ParamList()
+            cached = self._param_lists[optimizer] = grads.ParamList()
         return cached.of(optimizer)
 
     def _record_found_inf(
@@ -580,14 +579,20 @@ class GradScaler(torch.amp.GradScaler):
         record["optimizer"] = weakref.ref(optimizer)
         return combined
 
-    def _restart_optimizer_iteration(self, optimizer: torch.optim.Optimizer) -> None:
-        """Undo this iteration's in-place unscaling of ``optimizer``'s gradients and forget its record."""
-        record = self._per_optimizer_states.pop(id(optimizer), None)
-        if record is not None and "grads_factor" in record:
-            with torch.no_grad():
-                clipping.scale_grads_(
-                    grads.group_grads(self._params(optimizer), allow_fp16=True), record["grads_factor"].reciprocal()
-                )
+    def _record(self, optimizer: torch.optim.Optimizer) -> OptimizerRecord:
+        """``optimizer``'s record of this iteration; a fresh one when a new backward made it stale."""
+        record = self._per_optimizer_states[id(optimizer)]
+        seen = record.pop("grads_seen", None)  # checked once: our own clipping may write the gradients next
+        if seen is not None and seen.changed(self._params(optimizer)):
+            record = self._per_optimizer_states[id(optimizer)] = _refresh_per_optimizer_state()
+        return record
+
+    def _watch_unscaled(self) -> None:
+        """At ``scale()``: note the gradients of each record still unscaled and not stepped (see ``stale``)."""
+        for record in self._per_optimizer_states.values():
+            optimizer = record["optimizer"]() if "optimizer" in record else None
+            if record["stage"] is OptState.UNSCALED and "grads_seen" not in record and optimizer is not None:
+                record["grads_seen"] = stale.GradSnapshot(self._params(optimizer))
 
     # torch's private surface, with torch's meaning: Accelerate, Lightning, timm, FSDP's
     # ShardedGradScaler and torch's own tests read or call these names.

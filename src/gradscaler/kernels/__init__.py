@@ -25,10 +25,14 @@ class GradStats(NamedTuple):
     ``nonfinite``: 0-d float32, 1.0 when any stored value is inf or NaN, else 0.0. Exact for every
     dtype: a finite value is never called an overflow (float64 1e300, float32 3e38 with p=2).
     ``norms``: 1-d, the ``norm_type``-norm of each tensor times ``inv_scale`` (``||g * inv_scale||``),
-    or None for a check only; float32, float64 for float64 gradients. The multiply comes before any
-    value is squared (or accumulated in float64), so scaled gradients near float32's max with
-    ``inv_scale`` down to 2**-100 give the right finite unscaled norm. Norms of a tensor holding an
-    inf are inf, holding a NaN NaN. An empty tensor's norm is 0.
+    or None for a check only; float32, float64 for float64 gradients. No power of a stored value
+    overflows or underflows before the multiply: scaled gradients near float32's max with
+    ``inv_scale`` down to 2**-100, stored values at a scale of 2**-126 (subnormal) and gradients near
+    float32's smallest normal all give the unscaled norm. Triton and the generic path multiply
+    before any power and sum in float64; the CPU route squares stored values in float32 and re-reads,
+    in float64, a tensor whose result overflowed or whose sum of powers is small enough for underflow
+    to matter (``torch_stats``). Norms of a tensor holding an inf are inf, holding a NaN NaN. An
+    empty tensor's norm is 0.
     """
 
     nonfinite: torch.Tensor
@@ -54,7 +58,7 @@ def grad_stats(grads: list[torch.Tensor], norm_type: float | None, inv_scale: to
     """Flag and (when ``norm_type`` is given) per-tensor norms of ``grads * inv_scale`` in one read.
 
     ``grads`` share one device and one real dtype (float16, bfloat16, float32 or float64); nothing is
-    written. ``norm_type`` is a p >= 1, ``inf``, or None (the flag alone). ``inv_scale`` is a 0-d
+    written. ``norm_type`` is a p > 0, ``inf``, or None (the flag alone). ``inv_scale`` is a 0-d
     float tensor (any device; on the gradients' device it costs no copy), or None for 1. No host sync
     on CUDA; on the CPU one host read of the per-tensor results decides whether a tensor whose result
     overflowed must be read again (see ``torch_stats``).

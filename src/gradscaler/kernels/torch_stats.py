@@ -24,6 +24,11 @@ result is not finite are read again by ``_exact`` (for a flag alone, every tenso
 exact and the norm does not overflow before the multiply by ``inv_scale``, at the cost of a second read
 of an offending tensor on an overflowing step.
 
+The other way round, powers of stored values below ~2**-63 underflow in float32 (a scale near the
+2**-126 floor, or gradients near float32's smallest normal): a norm would come back 0 or too small.
+The sum of squares already read decides for ``dot`` at no cost (``_underflowed``); only when it is
+under ``_SUSPECT`` are the tensors whose own sum is under ``numel * tiny`` read again the same way.
+
 Other devices (no host sync allowed, CUDA-graph capturable): two multi-tensor reads, the inf-norm
 (exact for inf) and the requested p-norm (1 for a check) accumulated in float64 where the device has
 it (NaN propagates through the sum): flag = ``not isfinite(inf-norm) or isnan(p-norm)``.
@@ -212,20 +217,51 @@ def _layout(sizes: tuple[int, ...]) -> _Layout | None:
     return found
 
 
+_SUSPECT = {torch.float32: 2.0**-80, torch.float64: 2.0**-976}
+"""A sum of powers at or above this holds no underflow that matters: each power below the smallest
+normal (``tiny``) is off by at most ``tiny * eps / 2``, so ``n`` of them shift a sum of at least
+``n * tiny`` by under one rounding; this is ``n * tiny`` for up to 2**46 values."""
+
+
+def _underflowed(raw: torch.Tensor, is_norm: bool, p: float, grads: list[torch.Tensor], total: float) -> list[int]:
+    """Indices of the tensors whose result may have lost bits to powers that underflowed.
+
+    The p-th powers (squares for ``dot``) of stored values below ~2**-63 (scaled gradients at a small
+    scale, or gradients near float32's smallest normal) underflow in the float32 accumulation, so a
+    norm would come back 0 or too small where torch's unscale-first recipe is right. ``total`` is
+    the sum of ``raw``, already on the host: for sums of squares it settles the common case with no
+    op at all. A tensor is re-read only if its own sum of powers is under ``numel * tiny``.
+    """
+    suspect = _SUSPECT[raw.dtype]
+    if not is_norm and total >= suspect:
+        return []
+    powers = [v**p if is_norm else v for v in raw.tolist()]  # inf and NaN entries compare False below
+    if is_norm and math.fsum(x for x in powers if math.isfinite(x)) >= suspect:
+        return []
+    tiny = torch.finfo(raw.dtype).tiny
+    return [i for i, (x, g) in enumerate(zip(powers, grads, strict=True)) if x < g.numel() * tiny]
+
+
 def _cpu(grads: list[torch.Tensor], norm_type: float | None, inv_scale: torch.Tensor | None) -> GradStats:
     raw, is_norm = _cpu_raw(grads, norm_type)
     nonfinite = torch.scalar_tensor(0.0, dtype=torch.float32, device=grads[0].device)
     # Their sum is finite iff every one is (inf and NaN propagate; finite results that overflow the
     # sum are cleared by the per-entry check below): one op and one host read on the common path.
-    clean = math.isfinite(raw.item() if raw.dim() == 0 else raw.sum().item())
-    bad = None if clean else torch.isfinite(raw).logical_not_()
-    if bad is not None and bool(bad.any()):  # rare: a real inf/NaN, or finite values that overflowed
-        if norm_type is None:  # the results may not be per tensor: check every tensor again
-            found = any(_exact(g, None)[0] for g in grads)
-            return GradStats(nonfinite.fill_(1.0) if found else nonfinite, None)
+    total = raw.item() if raw.dim() == 0 else raw.sum().item()
+    again: list[int] = []
+    if not math.isfinite(total):
+        bad = torch.isfinite(raw).logical_not_()
+        if bool(bad.any()):  # rare: a real inf/NaN, or finite values that overflowed
+            if norm_type is None:  # the results may not be per tensor: check every tensor again
+                found = any(_exact(g, None)[0] for g in grads)
+                return GradStats(nonfinite.fill_(1.0) if found else nonfinite, None)
+            again = bad.nonzero().flatten().tolist()
+    if norm_type is not None and not math.isinf(norm_type):
+        again += _underflowed(raw, is_norm, norm_type, grads, total)
+    if again:
         raw = raw.double() if is_norm else raw.double().sqrt()
         is_norm = True
-        for i in bad.nonzero().flatten().tolist():  # type: ignore[union-attr]
+        for i in again:
             found, norm = _exact(grads[i], norm_type)
             raw[i] = norm
             if found:
@@ -233,7 +269,7 @@ def _cpu(grads: list[torch.Tensor], norm_type: float | None, inv_scale: torch.Te
     if norm_type is None:
         return GradStats(nonfinite, None)
     norms = raw if is_norm else raw.sqrt()
-    if inv_scale is not None:  # in float64 after a fallback: no overflow before the multiply
+    if inv_scale is not None:  # in float64 after a fallback: no overflow or underflow before the multiply
         norms = norms * moved(inv_scale, norms.device, norms.dtype)
     return GradStats(nonfinite, moved(norms, norms.device, norm_dtype(grads[0].dtype)))
 
