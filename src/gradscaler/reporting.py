@@ -1,6 +1,6 @@
 """``gradscaler.report(path)``: the text and the figure of a scaler log.
 
-``diagnosis`` reads the log and says what it means; this module draws it. matplotlib (the ``plot``
+``scalerlog`` reads the log, ``diagnosis`` says what it means, this module draws it. matplotlib (the ``plot``
 extra) is imported when a figure is drawn, as ``frameworks`` imports transformers when it is used, so
 ``import gradscaler`` never pays for it.
 """
@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gradscaler.diagnosis import LogSummary, describe, diagnose, summarise_file, top_offenders
+from gradscaler.diagnosis import describe, diagnose, top_offenders
+from gradscaler.scalerlog import LogSummary, summarise_file
 
 PLOT_HINT = "pip install 'gradscaler[plot]'"
 

@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser(
         "report",
         help="read a scaler log (JsonLinesLogger) and say what happened to the scale",
-        description="Summarise a JSON-lines scaler log (\"N of M steps skipped\", the parameters that "
+        description='Summarise a JSON-lines scaler log ("N of M steps skipped", the parameters that '
         "overflowed most), diagnose it in plain words, and draw it with --out. Streams the file.",
     )
     report.add_argument("log", help="the file JsonLinesLogger wrote")
@@ -120,8 +120,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def report_command(log: str, out: str | None) -> int:
     """``gradscaler report``: the text on stdout; a bad log is one line on stderr and exit status 1."""
     import gradscaler
-    from gradscaler.diagnosis import LogError
     from gradscaler.reporting import PLOT_HINT
+    from gradscaler.scalerlog import LogError
 
     drawable = out is not None and importlib.util.find_spec("matplotlib") is not None
     try:
