@@ -230,7 +230,7 @@ class _Reader:
         norms = _NORM.findall(text)
         alike = text.count("\n") == n and text.endswith("\n") and len(steps) == n
         if not alike or len(norms) not in (0, n):
-            if alike and n >= 16:  # halves, until each holds lines alike (a norm on every line or on none)
+            if n >= 16 and 2 * len(steps) >= n:  # halves, until each holds lines alike (a blank line, norms on some)
                 self.fold(chunk[: n // 2])
                 self.fold(chunk[n // 2 :])
                 return
