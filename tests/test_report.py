@@ -357,3 +357,16 @@ def test_acceptance_real_run_three_overflows_in_one_parameter(tmp_path: Path) ->
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert result.stdout.startswith("3 of 60 steps skipped")
     assert "2.weight" in result.stdout  # needs the version-2 log (the `report` branch names parameters)
+
+
+def test_the_documented_version_2_record_reads() -> None:
+    """The example record of the log format (its key order, NaN norm on the overflowing step)."""
+    line = (
+        '{"step": 1, "skipped_steps": 1, "consecutive_skips": 1, "growths": 0, "backoffs": 1, "collapse_run": 0, '
+        '"scale": 32768.0, "version": 2, "skipped": true, "nonfinite": ["2.weight"], "grad_norm": NaN, '
+        '"policy": {"growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000, "hysteresis": 1, '
+        '"min_scale": null, "max_scale": null}}\n'
+    )
+    summary = summarise([line])
+    assert describe(summary).startswith("1 of 1 steps skipped (100.0%)")
+    assert summary.names == {"2.weight": 1} and summary.norm_nonfinite == 1 and summary.growth_interval == 2000
