@@ -308,7 +308,7 @@ def test_progress_line_on_stderr(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(scalerlog, "PROGRESS_EVERY", 100)
     gradscaler.report(write(tmp_path / "s.jsonl", records(1000, {5})), progress=True)
     err = capsys.readouterr().err
-    assert "reading s.jsonl: " in err and "% of 0 MiB" in err
+    assert "reading s.jsonl: " in err and "% of 0 MiB" in err and "read s.jsonl: 1,000 records in " in err
 
 
 def test_without_matplotlib_the_text_still_prints(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,7 +51,10 @@ def report(path: str | Path, out: str | Path | None = None, *, progress: bool = 
     Raises ``ValueError`` for a file that is not a scaler log (empty, not JSON lines), ``OSError``
     when it cannot be read, ``ModuleNotFoundError`` when ``out`` is given and matplotlib is missing.
     """
-    summary = summarise_file(path, _progress_line(Path(path).name) if progress else None)
+    ticker = _Progress(Path(path).name) if progress else None
+    summary = summarise_file(path, ticker)
+    if ticker is not None:
+        ticker.finish(summary.records)
     figure = None
     if out is not None:
         figure = Path(out)
@@ -66,18 +70,24 @@ def report(path: str | Path, out: str | Path | None = None, *, progress: bool = 
     )
 
 
-def _progress_line(name: str) -> Any:
-    shown = [-1]
+class _Progress:
+    """A progress line on stderr, once per tenth of the file, for logs long enough to reach one tick."""
 
-    def tick(done: int, size: int) -> None:
+    def __init__(self, name: str) -> None:
+        self.name, self.shown, self.begin = name, -1, time.perf_counter()
+
+    def __call__(self, done: int, size: int) -> None:
         tenth = 10 * done // max(size, 1)
-        if tenth > shown[0]:
-            shown[0] = tenth
+        if tenth > self.shown:
+            self.shown = tenth
             end = "\r" if sys.stderr.isatty() else "\n"
-            sys.stderr.write(f"reading {name}: {min(100, 10 * tenth)}% of {size / 2**20:.0f} MiB{end}")
+            sys.stderr.write(f"reading {self.name}: {min(100, 10 * tenth)}% of {size / 2**20:.0f} MiB{end}")
             sys.stderr.flush()
 
-    return tick
+    def finish(self, records: int) -> None:
+        if self.shown >= 0:
+            seconds = time.perf_counter() - self.begin
+            sys.stderr.write(f"read {self.name}: {records:,} records in {seconds:.1f} s\n")
 
 
 def draw(summary: LogSummary, out: str | Path, title: str = "") -> None:

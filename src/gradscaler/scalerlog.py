@@ -36,7 +36,7 @@ CLUSTER = 3
 BUCKETS = 2048
 """Plot buckets kept; a longer log is drawn as a min/max envelope per bucket."""
 KEPT_CLUSTERS = 5
-PROGRESS_EVERY = 1 << 18
+PROGRESS_EVERY = 1 << 16
 """Lines between calls of the progress callback."""
 CHUNK = 4096
 """Lines scanned as one string."""
