@@ -261,6 +261,14 @@ def test_bad_logs_are_one_line_and_exit_1(tmp_path: Path, content: bytes, messag
     assert result.stderr.startswith(f"gradscaler report: {path}: ")
 
 
+@pytest.mark.parametrize("chunk", [4, 4096])
+def test_a_bad_line_between_repeated_records_is_an_error(chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    good = list(lines(records(40, (), version=1)))
+    monkeypatch.setattr(scalerlog, "CHUNK", chunk)
+    with pytest.raises(LogError, match=r"line 21 is not JSON \('\{\"step\": 21, \"sca'\)"):
+        summarise([*good[:20], '{"step": 21, "sca\n', *good[21:]])
+
+
 def test_missing_file_and_folder(tmp_path: Path) -> None:
     missing = run_cli(str(tmp_path / "nope.jsonl"))
     assert missing.returncode == 1 and "Traceback" not in missing.stderr

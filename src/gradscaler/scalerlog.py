@@ -250,6 +250,10 @@ class _Reader:
         changes = [0, *itertools.compress(range(1, n), map(operator.ne, keys[1:n], keys[: n - 1])), n]
         for start, stop in itertools.pairwise(changes):
             first = start
+            if self.pending is not None:  # a bad line is an error unless nothing but blanks follows it
+                for i in range(start, stop):
+                    self.line(chunk[i])
+                continue
             if keys[start] != self.key:
                 self.line(chunk[start])
                 first += 1
