@@ -45,6 +45,9 @@ def test_short_demo_writes_table_figure_and_json(tmp_path: Path, capsys: pytest.
     assert all(len(r["losses"]) == 12 for r in numbers["runs"])
     assert numbers["runs"][1]["underflow_share"] > 0.5  # the point of the demo: most values lost
     assert (tmp_path / "gradscaler-demo.png").stat().st_size > 10_000
+    log = tmp_path / "gradscaler-demo-scaler.jsonl"  # the gradscaler run's log, every step
+    assert len(log.read_text().splitlines()) == 12
+    assert cli.main(["report", str(log)]) == 0 and "of 12 steps skipped" in capsys.readouterr().out
 
 
 def test_short_bench_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

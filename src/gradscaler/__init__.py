@@ -6,6 +6,7 @@ Only the names in ``__all__`` are API; module paths below this package may chang
 from gradscaler.drop_in import is_torch_patched, patch_torch, unpatch_torch
 from gradscaler.errors import ScaleCollapseError, ScaleCollapseWarning
 from gradscaler.monitor import JsonLinesLogger
+from gradscaler.reporting import report
 from gradscaler.scaler import GradScaler, OptState
 
 __version__ = "0.1.0"
@@ -18,5 +19,6 @@ __all__ = [
     "ScaleCollapseWarning",
     "is_torch_patched",
     "patch_torch",
+    "report",
     "unpatch_torch",
 ]

@@ -1,8 +1,9 @@
-"""``gradscaler demo | bench``: the command-line entry point (also ``python -m gradscaler``)."""
+"""``gradscaler demo | bench | report``: the command-line entry point (also ``python -m gradscaler``)."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from collections.abc import Sequence
 
@@ -67,6 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--quick", action="store_true", help="run the matrix at toy sizes (seconds; for tests and smoke runs)"
     )
     bench.add_argument("--out", default="bench.json", help="JSON file for every number (default bench.json)")
+    report = sub.add_parser(
+        "report",
+        help="read a scaler log (JsonLinesLogger) and say what happened to the scale",
+        description='Summarise a JSON-lines scaler log ("N of M steps skipped", the parameters that '
+        "overflowed most), diagnose it in plain words, and draw it with --out. Streams the file.",
+    )
+    report.add_argument("log", help="the file JsonLinesLogger wrote")
+    report.add_argument("--out", default=None, help="write the figure to this PNG (needs matplotlib)")
     return parser
 
 
@@ -86,6 +95,8 @@ def _check_device(parser: argparse.ArgumentParser, device: str | None) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "report":
+        return report_command(args.log, args.out)
     _check_device(parser, args.device)
     if args.command == "bench":
         import torch
@@ -104,6 +115,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     from gradscaler.tools import demo
 
     return demo.main(args)
+
+
+def report_command(log: str, out: str | None) -> int:
+    """``gradscaler report``: the text on stdout; a bad log is one line on stderr and exit status 1."""
+    import gradscaler
+    from gradscaler.reporting import PLOT_HINT
+    from gradscaler.scalerlog import LogError
+
+    drawable = out is not None and importlib.util.find_spec("matplotlib") is not None
+    try:
+        result = gradscaler.report(log, out if drawable else None, progress=True)
+    except LogError as error:
+        print(f"gradscaler report: {log}: {error}", file=sys.stderr)
+        return 1
+    except OSError as error:
+        print(f"gradscaler report: cannot read {log}: {error.strerror or error}", file=sys.stderr)
+        return 1
+    print(result.text)
+    if out is None:
+        return 0
+    if not drawable:
+        print(f"gradscaler report: no figure written: matplotlib is not installed ({PLOT_HINT})", file=sys.stderr)
+        return 1
+    print(f"figure: {out}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradscaler import GradScaler
+from gradscaler import GradScaler, JsonLinesLogger
 from gradscaler.tools.toy_model import TinyGPT
 
 FP16_TINY = 2.0**-24  # smallest positive subnormal float16
@@ -112,14 +112,23 @@ def underflow_share(values: torch.Tensor, scale: float) -> float:
     return float((nonzero * scale < FP16_TINY / 2).float().mean()) if nonzero.numel() else 0.0
 
 
-def train(name: str, steps: int, batches: Batches, seed: int, progress: bool) -> dict[str, Any]:
-    """One run; returns losses, scales, skipped steps, timing and the final underflow share."""
+def train(
+    name: str, steps: int, batches: Batches, seed: int, progress: bool, log: Path | None = None
+) -> dict[str, Any]:
+    """One run; returns losses, scales, skipped steps, timing and the final underflow share.
+
+    With ``log``, the gradscaler run writes its scaler log there (every step; ``gradscaler report`` reads it).
+    """
     torch.manual_seed(seed)
     model = TinyGPT(len(batches.vocab), width=64, layers=2, heads=4, context=batches.context).to(batches.device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     fp16 = name != "fp32"
     # growth_interval=10 (torch: 2000) so that 200 steps show growth up to overflow and the backoff.
     scaler = GradScaler(batches.device.type, growth_interval=10) if name == "fp16 + gradscaler" else None
+    if scaler is not None and log is not None:
+        log.unlink(missing_ok=True)  # the logger appends
+        scaler.name_parameters(model)
+        scaler.add_logger(JsonLinesLogger(log), every=1)
     params = list(model.parameters())
     losses: list[float] = []
     begin = time.perf_counter()
@@ -296,7 +305,8 @@ def main(args: Any) -> int:
         "`python -c 'import gradscaler.tools.demo as d; help(d)'`.\n"
     )
     batches = Batches(corpus(args.seed), batch=16, context=64, seed=args.seed, device=device)
-    runs = [train(name, steps, batches, args.seed, not args.no_progress) for name in RUNS]
+    log = out / "gradscaler-demo-scaler.jsonl"
+    runs = [train(name, steps, batches, args.seed, not args.no_progress, log) for name in RUNS]
     hist = histogram_data(runs[-1]["activation_gradients"], runs[-1]["final_scale"])
     print()
     print(summary_table(runs))
@@ -320,4 +330,5 @@ def main(args: Any) -> int:
     else:
         print("\nmatplotlib is not installed, so no figure was drawn: pip install 'gradscaler[plot]'")
     print(f"numbers: {json_path}")
+    print(f"scaler log: {log} (see it: gradscaler report {log} --out report.png)")
     return 0
