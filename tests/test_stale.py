@@ -20,7 +20,7 @@ from gradscaler import GradScaler
 from gradscaler.stale import GradSnapshot
 from helpers import assert_same_state, make_model, make_optimizer, optimizer_state
 
-OPTIMIZERS = [("sgd", "forloop"), ("sgd", "foreach"), ("sgd", "fused"), ("adamw", "forloop"), ("adamw", "fused")]
+OPTIMIZERS = [(name, mode) for name in ("sgd", "adamw") for mode in ("forloop", "foreach", "fused")]
 OPTIMIZER_IDS = [f"{name}-{mode}" for name, mode in OPTIMIZERS]
 PREPARE = ["none", "unscale", "unscale_torch_clip", "clip"]
 

@@ -9,6 +9,7 @@ where ``optimizer.found_inf`` is nonzero, with no host sync. Older optimizers in
 from __future__ import annotations
 
 import inspect
+import operator
 import warnings
 from typing import Any
 
@@ -46,15 +47,24 @@ def warn_legacy_kwarg() -> None:
     warnings.warn(LEGACY_KWARG_WARNING, FutureWarning, stacklevel=3)
 
 
-def has_fresh_state(optimizer: torch.optim.Optimizer) -> bool:
+def has_fresh_state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> bool:
     """Whether some parameter with a gradient has no optimizer state yet (its first step is next).
 
-    A fused step that is skipped on a parameter's first step still lets the optimizer create state,
-    and torch's fused SGD leaves that state (momentum buffers) uninitialised. See ``forget_new_state``.
+    ``params``: the optimizer's parameters. A fused step that is skipped on a parameter's first step
+    still lets the optimizer create state, and torch's fused SGD leaves that state (momentum buffers)
+    uninitialised. See ``forget_new_state``. Every parameter must be a key, not just as many states
+    as parameters: the state of a parameter swapped out of the optimizer may still be held. C-level
+    passes only (a tensor's ``__hash__`` is a Python call: ``state.get`` per parameter costs 3x more).
     """
     state = optimizer.state
-    if len(state) >= sum(len(group["params"]) for group in optimizer.param_groups):
-        return any(not s for s in state.values())  # every parameter has an entry: O(params) only if one is empty
+    # As many non-empty states as parameters, and every parameter a key: states are created in
+    # parameter order, so the keys begin with the parameters (else compare the sets of ids).
+    if (
+        len(state) >= len(params)
+        and all(state.values())
+        and (all(map(operator.is_, state, params)) or set(map(id, params)) <= set(map(id, state)))
+    ):
+        return False
     return bool(params_without_state(optimizer))
 
 

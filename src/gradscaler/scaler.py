@@ -316,17 +316,18 @@ class GradScaler(torch.amp.GradScaler):
             assert self._scale is not None
             theirs = getattr(optimizer, "grad_scale", None)  # a multiplier set by the user, as torch honours
             grad_scale = self._scale if theirs is None else self._scale * theirs
-        fresh = fused.params_without_state(optimizer) if fused.has_fresh_state(optimizer) else []
+        fresh = (
+            fused.params_without_state(optimizer) if fused.has_fresh_state(optimizer, self._params(optimizer)) else []
+        )
         optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
         optimizer.found_inf = found_inf  # type: ignore[attr-defined]
         try:
-            retval = optimizer.step(*args, **kwargs)
-        finally:
+            return optimizer.step(*args, **kwargs)
+        finally:  # also when the step raised after its kernel ran (a step post-hook, a KeyboardInterrupt)
             del optimizer.grad_scale  # type: ignore[attr-defined]
             del optimizer.found_inf  # type: ignore[attr-defined]
-        if fresh and found_inf.item():  # the one host read, on a parameter's first step only
-            fused.forget_new_state(optimizer, fresh)
-        return retval
+            if fresh and found_inf.item():  # the one host read, on a parameter's first step only
+                fused.forget_new_state(optimizer, fresh)
 
     def update(self, new_scale: float | int | torch.Tensor | None = None) -> None:
         """Update the scale by the rule in the class docstring, or set it to ``new_scale``.
