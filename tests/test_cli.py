@@ -10,7 +10,7 @@ import pytest
 from gradscaler.tools import cli
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"], ["bench", "--help"]])
+@pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"], ["bench", "--help"], ["report", "--help"]])
 def test_help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as excinfo:
         cli.main(argv)

@@ -114,7 +114,8 @@ def test_rule_early_skips_from_a_high_init_scale() -> None:
 def test_rule_early_skips_with_gaps_says_at_least() -> None:
     summary = summarise(lines(records(100, set(range(1, 16)), every=10, version=1, growth_interval=1000)))
     finding = diagnosis.early_skips(summary)
-    assert finding is not None and "the first at least 10 steps" in finding
+    assert finding is not None and "at least the first 10 steps overflowed" in finding
+    assert "it cost at least 10 of 100 steps" in finding
 
 
 @pytest.mark.parametrize("version", [2, 1])

@@ -36,7 +36,8 @@ def early_skips(s: LogSummary) -> str | None:
         return None
     count = f"{s.leading}" if s.leading_exact else f"at least {s.leading}"
     return (
-        f"Early skips: the first {count} step{'s' * (s.leading != 1)} overflowed while the scale came down to "
+        f"Early skips: {'' if s.leading_exact else 'at least '}the first {s.leading} step{'s' * (s.leading != 1)} "
+        f"overflowed while the scale came down to "
         f"{_scale(s.leading_scale)}; init_scale was set higher than these gradients allow. Harmless: it cost "
         f"{count} of {s.steps} steps ({100 * s.leading / s.steps:.1f}%); GradScaler(init_scale="
         f"{_scale(s.leading_scale)}) would start where the run settled."

@@ -100,14 +100,20 @@ def draw(summary: LogSummary, out: str | Path, title: str = "") -> None:
     except ImportError as error:
         raise ModuleNotFoundError(f"drawing the report needs matplotlib: {PLOT_HINT}") from error
     s = summary
-    with_norms = s.norms > 0
-    fig = plt.figure(figsize=(13, 7.2 if with_norms else 4.6))
-    grid = fig.add_gridspec(2 if with_norms else 1, 2, width_ratios=(2.4, 1), hspace=0.35, wspace=0.28)
+    with_norms, named = s.norms > 0, bool(s.names)
+    fig = plt.figure(figsize=(13 if named else 9.5, 7.2 if with_norms else 4.6))
+    grid = fig.add_gridspec(
+        2 if with_norms else 1, 2 if named else 1, width_ratios=(2.4, 1) if named else None, hspace=0.35, wspace=0.28
+    )
     ax = fig.add_subplot(grid[0, 0])
     _scale_panel(ax, s)
     if with_norms:
         _norm_panel(fig.add_subplot(grid[1, 0], sharex=ax), s)
-    _offender_panel(fig.add_subplot(grid[:, 1]), s)
+    if named:
+        _offender_panel(fig.add_subplot(grid[:, 1]), s)
+    else:
+        why = "no parameter named in this log" if s.version >= 2 else "parameters are not named in a 0.1.0 log"
+        fig.text(0.99, 0.01, why, ha="right", va="bottom", fontsize=8, color="gray")
     headline = describe(s).split(";")[0]
     fig.suptitle(f"{title}: {headline}" if title else headline, fontsize=12)
     fig.savefig(out, dpi=100, bbox_inches="tight")
@@ -170,11 +176,6 @@ def _norm_panel(ax: Any, s: LogSummary) -> None:
 def _offender_panel(ax: Any, s: LogSummary) -> None:
     top = top_offenders(s)
     ax.set_title("parameters with non-finite gradients")
-    if not top:
-        why = "none named in this log" if s.version >= 2 else "not named in a 0.1.0 log"
-        ax.text(0.5, 0.5, why, ha="center", va="center", transform=ax.transAxes, color="gray")
-        ax.set_axis_off()
-        return
     counts = [count for _, count in reversed(top)]
     ax.barh(range(len(top)), counts, height=0.45, color="firebrick")
     for y, (name, count) in enumerate(reversed(top)):
