@@ -5,7 +5,7 @@ Only the names in ``__all__`` are API; module paths below this package may chang
 
 from gradscaler.drop_in import patch_torch, unpatch_torch
 from gradscaler.errors import ScaleCollapseError, ScaleCollapseWarning
-from gradscaler.monitor import JsonLinesLogger
+from gradscaler.monitor import JsonLinesLogger, TensorBoardLogger
 from gradscaler.scaler import GradScaler, OptState
 
 __version__ = "0.1.0"
@@ -16,6 +16,7 @@ __all__ = [
     "OptState",
     "ScaleCollapseError",
     "ScaleCollapseWarning",
+    "TensorBoardLogger",
     "patch_torch",
     "unpatch_torch",
 ]
