@@ -208,13 +208,16 @@ class Monitor:
     def _log(self, item: Landed, tag: _Tag) -> None:
         """Build the record of one landed step and give it to the loggers due at that step."""
         record: dict[str, Any] = {"step": tag.step, **item.counters, "version": LOG_VERSION, "skipped": item.skipped}
-        values = item.carried.tolist() if item.carried is not None else []
+        carried = item.carried
         if item.skipped or item.changed:
-            names = tag.names if tag.names is not None else self._resolve(tag, values)
+            names = tag.names
+            if names is None:
+                names = self._resolve(tag, carried.tolist() if carried is not None else [])
             record["nonfinite"] = names[:SHOWN_NAMES]
             if len(names) > SHOWN_NAMES:
                 record["nonfinite_more"] = len(names) - SHOWN_NAMES
-        norm = values[-1] if tag.carried_norm else tag.norm
+        # the norm alone, on most steps: not one float per parameter (tolist: a host copy, not a sync)
+        norm = carried[-1:].tolist()[0] if tag.carried_norm and carried is not None else tag.norm
         if norm is not None:
             record["grad_norm"] = norm
         for position, (callback, every) in enumerate(self.loggers):
