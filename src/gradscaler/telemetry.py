@@ -29,7 +29,8 @@ CONSECUTIVE = (False, True, False, False, True)
 SATURATE = 2**62
 """Counters stop here rather than wrap (int64)."""
 IN_FLIGHT = 1024
-"""Most records ``Telemetry`` keeps unread; beyond, the oldest is dropped (only when nobody calls ``landed``)."""
+"""Most records ``Telemetry`` keeps unread; beyond, the oldest one's buffers take the newest (that
+record is lost: only when nobody calls ``landed``, or the host runs this many updates ahead of the device)."""
 
 _Event = TypeVar("_Event")
 
@@ -124,7 +125,11 @@ class Telemetry:
         self.cursor.add_(1)
         if self.counters.is_cuda and torch.cuda.is_current_stream_capturing():
             return  # under CUDA-graph capture the counters stay on the device: read them with stats()
-        mirror = self._free.pop() if self._free else _Mirror(self._pin)
+        if len(self._in_flight) >= IN_FLIGHT:
+            # Nobody reads them (no logger): reuse the oldest; copies into one buffer land in stream order.
+            mirror = self._in_flight.popleft()
+        else:
+            mirror = self._free.pop() if self._free else _Mirror(self._pin)
         mirror.counters.copy_(self.counters, non_blocking=True)
         mirror.row.copy_(row, non_blocking=True)
         mirror.carried = None if carry is None else carry.to("cpu", non_blocking=True)
@@ -132,8 +137,6 @@ class Telemetry:
         if self.counters.is_cuda:
             mirror.event = torch.cuda.Event()
             mirror.event.record()
-        if len(self._in_flight) >= IN_FLIGHT:  # nobody reads them (no logger): keep the newest
-            self._in_flight.popleft()
         self._in_flight.append(mirror)
 
     def landed(self, wait: bool = False) -> list[Landed]:
