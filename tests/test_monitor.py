@@ -12,26 +12,38 @@ import torch
 
 from gradscaler.errors import ScaleCollapseError, ScaleCollapseWarning
 from gradscaler.monitor import JsonLinesLogger, Monitor
+from gradscaler.rule import ScaleRule
+from gradscaler.telemetry import Landed
+
+RULE = ScaleRule()
 
 
-def landed(collapse_run: int = 0, scale: float = 1.0) -> dict:
-    return {"skipped_steps": collapse_run, "consecutive_skips": collapse_run, "growths": 0, "backoffs": 0,
-            "collapse_run": collapse_run, "scale": scale}  # fmt: skip
+def landed(collapse_run: int = 0, scale: float = 1.0, tag: object = None) -> list[Landed]:
+    counters = {"skipped_steps": collapse_run, "consecutive_skips": collapse_run, "growths": 0, "backoffs": 0,
+                "collapse_run": collapse_run, "scale": scale}  # fmt: skip
+    return [Landed(counters, collapse_run > 0, False, tag, None)]
+
+
+def update(monitor: Monitor, optimizers: list | None = None, found: float = 0.0) -> list[Landed]:
+    """One update fed to ``monitor`` as a scaler would; returns its record as the telemetry would land it."""
+    tag, carry = monitor.record_update([{"optimizer": ref} for ref in optimizers or []], torch.tensor(found), RULE)
+    assert carry is None  # the CPU: names are resolved at update()
+    return landed(tag=tag)
 
 
 def test_loggers_run_every_n_updates_with_the_step() -> None:
     monitor, seen = Monitor(collapse_patience=None), []
     monitor.add_logger(seen.append, every=2)
     for _ in range(4):
-        monitor.record_update([])
-        monitor.after_update(landed())
+        monitor.after_update(update(monitor))
     assert [record["step"] for record in seen] == [2, 4]
+    assert "policy" in seen[0] and "policy" not in seen[1]
 
 
 def test_nothing_lands_nothing_runs() -> None:
     monitor, seen = Monitor(), []
     monitor.add_logger(seen.append)
-    monitor.after_update(None)
+    monitor.after_update([])
     assert seen == []
 
 
@@ -41,7 +53,7 @@ def test_collapse_raises_once_per_episode_naming_the_bad_parameter() -> None:
     opt = torch.optim.SGD([param], lr=0.1)
     monitor = Monitor(collapse_patience=3)
     monitor.name_parameters([("encoder.weight", param)])
-    monitor.record_update([weakref.ref(opt)])
+    update(monitor, [weakref.ref(opt)])
     monitor.after_update(landed(2))
     with pytest.raises(ScaleCollapseError, match=r"3 consecutive .* encoder\.weight"):
         monitor.after_update(landed(3, 2.0**-126))
@@ -56,7 +68,7 @@ def test_collapse_warns_with_unnamed_parameters_by_position() -> None:
     param.grad = torch.tensor([1.0, float("nan")])
     opt = torch.optim.SGD([param], lr=0.1)
     monitor = Monitor(collapse_patience=1, on_collapse="warn")
-    monitor.record_update([weakref.ref(opt)])
+    update(monitor, [weakref.ref(opt)])
     with pytest.warns(ScaleCollapseWarning, match=r"param_groups\[0\]\[0\] \(2,\)"):
         monitor.after_update(landed(1))
 
@@ -68,7 +80,7 @@ def test_sparse_and_complex_gradients_are_attributed() -> None:
     cplx.grad = torch.tensor([1 + 1j, complex(0, float("inf"))], dtype=torch.complex64)
     opt = torch.optim.SGD([sparse, cplx], lr=0.1)
     monitor = Monitor()
-    monitor.record_update([weakref.ref(opt)])
+    update(monitor, [weakref.ref(opt)])
     assert monitor.nonfinite_parameters() == ["param_groups[0][0] (5, 2)", "param_groups[0][1] (2,)"]
 
 
@@ -91,8 +103,8 @@ def test_pickle_drops_process_local_state_and_deepcopy_keeps_it(tmp_path) -> Non
     assert (pickled.steps, pickled.loggers, dict(pickled.param_names)) == (5, [], {})
     copied = copy.deepcopy(monitor)
     assert copied.loggers == monitor.loggers and copied.label(w, "") == "w"
-    copied.after_update(landed())
-    assert json.loads((tmp_path / "log.jsonl").read_text())["step"] == 5
+    copied.after_update(update(copied))
+    assert json.loads((tmp_path / "log.jsonl").read_text())["step"] == 6
 
 
 @pytest.mark.parametrize(

@@ -49,8 +49,9 @@ def make(fused: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
 def test_fused_path_makes_no_sync(recipe: str, inject: bool) -> None:
     model, opt = make(fused=True)
     scaler = GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
+    scaler.name_parameters(model)
     records: list[dict] = []
-    scaler.add_logger(records.append)  # telemetry on: the logger must not sync either
+    scaler.add_logger(records.append, every=1)  # telemetry and attribution on: they must not sync either
     counts = []
     for step in range(6):
         opt.zero_grad()
@@ -70,12 +71,24 @@ def test_fused_path_makes_no_sync(recipe: str, inject: bool) -> None:
     assert counts[1:] == [0] * 5, counts
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
     assert counts[0] <= 1
+    assert_attributed(records, inject, recipe == "clip")
+
+
+def assert_attributed(records: list[dict], inject: bool, clipped: bool) -> None:
+    """Steps 4-6 overflowed in ``0.weight`` when ``inject``: the log names it and has the clipping norm."""
+    assert [r["skipped"] for r in records] == [False] * 3 + [inject] * 3
+    assert [r.get("nonfinite") for r in records[3:]] == (
+        [["0.weight"]] * 3 if inject else [[], None, []]
+    )  # growths at 4 and 6
+    assert all(("grad_norm" in r) == clipped for r in records)
 
 
 @pytest.mark.parametrize("recipe", ["plain", "unscale", "clip"])
 def test_non_fused_step_makes_exactly_one_sync(recipe: str) -> None:
     model, opt = make(fused=False)
     scaler = GradScaler("cpu", init_scale=2.0**8)
+    records: list[dict] = []
+    scaler.add_logger(records.append, every=1)  # attribution by a second read pass: no sync either
     for step in range(3):
         opt.zero_grad()
         counter = SyncCounter()
@@ -90,6 +103,9 @@ def test_non_fused_step_makes_exactly_one_sync(recipe: str) -> None:
             scaler.step(opt)
             scaler.update()
         assert counter.count == 1
+    named = ["param_groups[0][3] (2,)"] if recipe == "plain" else None  # else the inf came after the check
+    assert [r.get("nonfinite") for r in records] == [None, None, named]
+    assert all(("grad_norm" in r) == (recipe == "clip") for r in records)
 
 
 def test_torch_non_fused_step_syncs_too() -> None:

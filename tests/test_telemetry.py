@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from gradscaler import GradScaler, JsonLinesLogger
-from gradscaler.telemetry import SATURATE, make_telemetry
+from gradscaler.telemetry import COUNTERS, IN_FLIGHT, SATURATE, make_telemetry
 
 
 def steps(scaler: GradScaler, flags: list[bool], fused: bool = False) -> tuple[torch.optim.Optimizer, list[bool]]:
@@ -163,3 +163,31 @@ def test_host_and_device_keepers_agree(
         expected[3] = min(expected[3] + (after < before), SATURATE)
         expected[4] = min(expected[4] + 1, SATURATE) if found and before <= lower else 0
     assert list(keepers[0].read().values()) == expected
+
+
+def test_device_keeper_lands_every_record_in_order_with_what_it_carries() -> None:
+    """Records not yet read stay queued, each with its own copy; ``wait`` drains them all."""
+    keeper = make_telemetry(torch.device("cpu"), 4, [0] * len(COUNTERS), on_host=False)
+    scale = torch.full((), 8.0)
+    for step, found in enumerate([0.0, 1.0, 0.0]):
+        before = keeper.before(scale)
+        after = scale * (0.5 if found else 1.0)
+        keeper.record_(torch.tensor(found), before, after, 1.0, tag=step, carry=torch.tensor([float(step)]))
+        scale = after
+    landed = keeper.landed(wait=True)
+    assert [(r.tag, r.skipped, r.changed, r.carried.tolist()) for r in landed] == [  # type: ignore[union-attr]
+        (0, False, False, [0.0]),
+        (1, True, True, [1.0]),
+        (2, False, False, [2.0]),
+    ]
+    assert [r.counters["skipped_steps"] for r in landed] == [0, 1, 1]
+    assert [r.counters["scale"] for r in landed] == [8.0, 4.0, 4.0]
+    assert keeper.landed() == []
+
+
+def test_unread_records_are_bounded() -> None:
+    keeper = make_telemetry(torch.device("cpu"), 4, [0] * len(COUNTERS), on_host=False)
+    scale = torch.full((), 8.0)
+    for step in range(IN_FLIGHT + 3):
+        keeper.record_(torch.tensor(0.0), keeper.before(scale), scale, 1.0, tag=step)
+    assert [r.tag for r in keeper.landed()] == list(range(3, IN_FLIGHT + 3))

@@ -5,7 +5,7 @@ Only the names in ``__all__`` are API; module paths below this package may chang
 
 from gradscaler.drop_in import is_torch_patched, patch_torch, unpatch_torch
 from gradscaler.errors import ScaleCollapseError, ScaleCollapseWarning
-from gradscaler.monitor import JsonLinesLogger
+from gradscaler.monitor import JsonLinesLogger, TensorBoardLogger
 from gradscaler.reporting import report
 from gradscaler.scaler import GradScaler, OptState
 
@@ -17,6 +17,7 @@ __all__ = [
     "OptState",
     "ScaleCollapseError",
     "ScaleCollapseWarning",
+    "TensorBoardLogger",
     "is_torch_patched",
     "patch_torch",
     "report",

@@ -18,11 +18,17 @@ attribute ``step_was_skipped`` reads (``_is_overflow``, tested against accelerat
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from gradscaler.scaler import GradScaler
 
-__all__ = ["SkippedStepsCallback", "report_skipped_steps"]  # noqa: F822 (SkippedStepsCallback: module __getattr__)
+__all__ = [  # noqa: F822 (the two callbacks: module __getattr__)
+    "ScaleLogCallback",
+    "SkippedStepsCallback",
+    "log_scale",
+    "report_skipped_steps",
+]
 
 
 _ACCELERATE_FIX = (
@@ -142,4 +148,111 @@ def __getattr__(name: str) -> Any:
         if _callback_class is None:
             _callback_class = _make_callback_class()
         return _callback_class
+    if name == "ScaleLogCallback":
+        return _scale_log_callback_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# ---------------------------------------------------------------- the scale in the framework's own logs
+
+
+def amp_logs(scaler: Any) -> dict[str, float | int]:
+    """``{"amp/scale": ..., "amp/skipped_steps": ...}`` of ``scaler`` (gradscaler's; torch's gives the
+    scale only). Reads the device once (``stats()``)."""
+    if isinstance(scaler, GradScaler):
+        if not scaler.is_enabled():
+            return {}
+        stats = scaler.stats()
+        return {"amp/scale": stats["scale"], "amp/skipped_steps": stats["skipped_steps"]}
+    get_scale = getattr(scaler, "get_scale", None)
+    return {"amp/scale": get_scale()} if callable(get_scale) else {}
+
+
+class _LogWithScale:
+    """Stands in for ``Accelerator.log``: the caller's values plus ``amp_logs`` of the accelerator's scaler.
+
+    A plain picklable object (not a closure), like ``_TruthfulStep``.
+    """
+
+    def __init__(self, accelerator: Any, previous: Any | None) -> None:
+        self.accelerator = accelerator
+        self.previous = previous  # an instance-level log someone installed before us, or None
+
+    def __call__(self, values: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        scaler = self.accelerator.scaler
+        if scaler is not None:
+            values = {**values, **amp_logs(scaler)}
+        if self.previous is not None:
+            return self.previous(values, *args, **kwargs)
+        return type(self.accelerator).log(self.accelerator, values, *args, **kwargs)
+
+
+def log_scale(accelerator: Any) -> Any:
+    """Make every ``accelerator.log(values, step)`` also log ``amp/scale`` and ``amp/skipped_steps``.
+
+    They reach every tracker the accelerator logs to (TensorBoard, W&B, ...), at the step the caller
+    gives. Each call reads the scaler once (``stats()``, one device sync, at the caller's logging
+    frequency). The scaler is ``accelerator.scaler`` at the time of each call (set it before
+    ``prepare``); without one, values pass unchanged. Idempotent; returns ``accelerator``.
+
+    Usage::
+
+        accelerator.init_trackers("run")
+        log_scale(accelerator)
+        accelerator.log({"loss": loss.item()}, step=step)   # + amp/scale, amp/skipped_steps
+    """
+    if not callable(getattr(accelerator, "log", None)) or not hasattr(accelerator, "scaler"):
+        raise TypeError(f"log_scale needs an accelerate.Accelerator, got {type(accelerator).__name__}.")
+    current = accelerator.__dict__.get("log")
+    if not isinstance(current, _LogWithScale):
+        accelerator.log = _LogWithScale(accelerator, current)
+    return accelerator
+
+
+_scale_log_class: type | None = None
+
+
+def _scale_log_callback_class() -> type:
+    global _scale_log_class
+    if _scale_log_class is not None:
+        return _scale_log_class
+    from transformers import TrainerCallback
+    from transformers.trainer_callback import CallbackHandler
+
+    class ScaleLogCallback(TrainerCallback):  # type: ignore[misc]
+        """HF Trainer callback: ``amp/scale`` and ``amp/skipped_steps`` in the Trainer's training logs.
+
+        ``Trainer(..., callbacks=[ScaleLogCallback()])``. Every training log (``logging_steps``)
+        then carries them to the ``report_to`` integrations (TensorBoard and W&B write them as
+        ``train/amp/scale``) and to the console. The Trainer calls the integrations before the
+        callbacks a user passes, so this callback moves itself to the front of the Trainer's callback
+        list (at ``on_init_end`` and ``on_train_begin``). One device read per log (``stats()``), where
+        the Trainer reads the loss anyway. Reads the scaler of the Trainer's optimizer
+        (``trainer.accelerator.scaler``); evaluation and end-of-training summaries are left alone.
+        """
+
+        def _go_first(self) -> None:
+            # The handler calls each callback from CallbackHandler.call_event: the caller's ``self``.
+            handler = sys._getframe(2).f_locals.get("self")
+            if isinstance(handler, CallbackHandler) and handler.callbacks and handler.callbacks[0] is not self:
+                handler.callbacks.remove(self)
+                handler.callbacks.insert(0, self)
+
+        def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self._go_first()
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self._go_first()
+
+        def on_log(
+            self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any
+        ) -> None:
+            scaler = getattr(kwargs.get("optimizer"), "scaler", None)
+            if logs is None or scaler is None or "loss" not in logs:  # training logs only
+                return
+            logs.update(amp_logs(scaler))
+
+    ScaleLogCallback.__module__ = __name__
+    ScaleLogCallback.__qualname__ = "ScaleLogCallback"
+    _scale_log_class = ScaleLogCallback
+    return ScaleLogCallback

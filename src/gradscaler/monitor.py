@@ -1,26 +1,39 @@
 """Host-side reporting for one scaler: loggers, parameter names, overflow attribution, collapse detection.
 
 ``telemetry`` keeps the device counters; this module decides what to tell the user about them. A
-``Monitor`` is fed values by its scaler (counters that have landed on the host, the optimizers of
+``Monitor`` is fed values by its scaler (records that have landed on the host, the optimizers of
 the last iteration, the clipping pass's norms) and never sees the scaler itself.
+
+Attribution for the log (which parameters overflowed at a logged step) reads no tensor back on the
+device path: the per-tensor results of the iteration's read pass (the clipping norms; for a fused
+optimizer's check, the inf-norms its pass yields in the same one read) are carried to the host with
+the step's record (``Telemetry.record_``) and turned into names once landed. An optimizer whose
+gradients were checked by torch's unscale kernel (one flag, nothing per tensor) gets one more
+read-only pass, on logged steps only. On the CPU, where host reads are free, the gradients of a
+skipped step are read again instead, at ``update()``.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import math
+import os
 import warnings
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from gradscaler import grads
 from gradscaler.errors import COLLAPSE_CAUSES, ScaleCollapseError, ScaleCollapseWarning
 from gradscaler.grads import WeakById, checkable_view
-from gradscaler.rule import INT64_MAX
+from gradscaler.kernels import host_reads_free, moved
+from gradscaler.rule import INT64_MAX, ScaleRule
+from gradscaler.telemetry import COUNTERS, Landed
 
 Logger = Callable[[dict[str, Any]], None]
 NormRecord = tuple[list[torch.Tensor], torch.Tensor]
@@ -28,6 +41,27 @@ NormRecord = tuple[list[torch.Tensor], torch.Tensor]
 
 ON_COLLAPSE = ("raise", "warn")
 SHOWN_NAMES = 20
+LOG_VERSION = 2
+"""The ``"version"`` of the records loggers receive (see ``JsonLinesLogger``)."""
+
+OptimizerRef = weakref.ReferenceType[torch.optim.Optimizer]
+
+
+class _Tag(NamedTuple):
+    """What the host keeps for a logged step until its record lands.
+
+    ``names``: the non-finite parameters, when known at ``update()`` (the CPU); else ``params``, one
+    per carried per-tensor value (a non-finite value marks a non-finite gradient), and ``optimizers``
+    to label them. ``norm``: the clipping norm, or ``carried_norm`` when it is the last carried value.
+    """
+
+    step: int
+    rule: ScaleRule
+    names: list[str] | None
+    params: list[torch.Tensor]
+    optimizers: list[OptimizerRef]
+    norm: float | None
+    carried_norm: bool
 
 
 class Monitor:
@@ -53,8 +87,12 @@ class Monitor:
         self.loggers: list[tuple[Logger, int]] = []
         self.param_names: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> name
         self.grad_norms: WeakById[list[NormRecord]] = WeakById()  # by optimizer
-        self.last_optimizers: list[weakref.ReferenceType[torch.optim.Optimizer]] = []
+        self.last_optimizers: list[OptimizerRef] = []
         self._collapse_reported_at = -1
+        self._reads: dict[int, list[NormRecord]] = {}  # this iteration's per-tensor results, by optimizer
+        self._norm: torch.Tensor | None = None  # this iteration's last clipping norm
+        self._policies: dict[int, ScaleRule] = {}  # the policy each logger (by position) was last sent
+        self._on_host: bool | None = None  # whether the scale's device reads for free (see kernels)
 
     @property
     def wants_counters(self) -> bool:
@@ -78,34 +116,136 @@ class Monitor:
         """The parameter's name, or ``where`` and its shape when it was never named."""
         return self.param_names.get(param) or f"{where} {tuple(param.shape)}"
 
-    def record_update(self, optimizers: list[weakref.ReferenceType[torch.optim.Optimizer]]) -> None:
-        """Count one completed update and remember its optimizers for attribution."""
+    def clipped(
+        self,
+        optimizer: torch.optim.Optimizer,
+        owners: grads.GradGroups,
+        norms: dict[torch.device, torch.Tensor],
+        total: torch.Tensor,
+    ) -> None:
+        """Keep a clipping pass's per-tensor norms (``owners`` as ``grads.group_grads`` fills it) and total."""
+        self.grad_norms[optimizer] = self._reads[id(optimizer)] = _per_device(owners, norms)
+        self._norm = total
+
+    def nonfinite_flags(
+        self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor]
+    ) -> dict[torch.device, torch.Tensor]:
+        """``grads.nonfinite_flags`` of ``params``' gradients (read only). With a logger on the device
+        path it runs as an inf-norm pass, the same one read, whose per-tensor results are kept."""
+        owners = grads.new_groups() if self.loggers else None
+        groups = grads.group_grads(params, allow_fp16=True, owners=owners)
+        if owners is None or all(map(host_reads_free, groups)):
+            return grads.nonfinite_flags(groups)
+        peaks, flags = grads.norms_and_check(groups, math.inf)
+        self._reads[id(optimizer)] = _per_device(owners, peaks)
+        return flags
+
+    def record_update(
+        self, records: Iterable[Mapping[str, Any]], found: torch.Tensor, rule: ScaleRule
+    ) -> tuple[_Tag | None, torch.Tensor | None]:
+        """Count one completed update (``found``: its overflow flag) and remember the optimizers of its
+        per-optimizer ``records`` (their ``"optimizer"`` weak references).
+
+        Returns what the telemetry carries with this step's record when a logger will log it: a host
+        tag and, on the device path, a device tensor of per-tensor results (and the clipping norm). No sync.
+        """
         if self.steps < INT64_MAX:  # saturates: a state dict keeps a loadable count after any number of steps
             self.steps += 1
-        self.last_optimizers = optimizers
+        self.last_optimizers = optimizers = [r["optimizer"] for r in records if "optimizer" in r]
+        reads, norm, clipped = self._reads, self._norm, self._norm is not None
+        self._reads, self._norm = {}, None
+        if not any(self.steps % every == 0 for _, every in self.loggers):
+            return None, None
+        if self._on_host is None:  # the flag's device never changes: ask once (an environment read)
+            self._on_host = host_reads_free(found.device)
+        on_host = self._on_host
+        if on_host and not found.item():  # a clean step, known for free: nothing to attribute
+            return _Tag(self.steps, rule, [], [], optimizers, None if norm is None else norm.item(), False), None
+        params: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        for ref in optimizers:
+            optimizer = ref()
+            if optimizer is None:
+                continue
+            for owned, results in reads.get(id(optimizer)) or self._read_pass(optimizer):
+                params.extend(owned)
+                values.append(moved(results, found.device, results.dtype))
+        if norm is not None:
+            values.append(moved(norm, found.device, norm.dtype).reshape(1))
+        carry = torch.cat(values) if values else None
+        tag = _Tag(self.steps, rule, None, params, optimizers, None, clipped)
+        if not on_host:
+            return tag, carry
+        landed = carry.tolist() if carry is not None else []  # free on the CPU
+        names = self._resolve(tag, landed)
+        return tag._replace(names=names, params=[], norm=landed[-1] if clipped else None, carried_norm=False), None
 
-    def after_update(self, landed: dict[str, Any] | None) -> None:
-        """Feed loggers and detect collapse from counters that have landed on the host (no sync).
+    def _read_pass(self, optimizer: torch.optim.Optimizer) -> list[NormRecord]:
+        """Per-tensor inf-norms of ``optimizer``'s gradients as stored (read only, no sync), for an
+        optimizer whose gradients were checked by torch's unscale kernel (a finite factor: whatever was
+        non-finite still is)."""
+        owners = grads.new_groups()
+        groups = grads.group_grads(list(grads.iter_params(optimizer)), allow_fp16=True, owners=owners)
+        return _per_device(owners, grads.norms_and_check(groups, math.inf)[0])
+
+    def after_update(self, landed: list[Landed]) -> None:
+        """Feed loggers and detect collapse from records that have landed on the host, oldest first (no sync).
 
         Raises ``ScaleCollapseError`` (or warns) once per collapse, after ``collapse_patience``
-        consecutive overflowing steps at the minimum scale.
+        consecutive overflowing steps at the minimum scale, once every landed record is logged.
         """
-        if landed is None:
+        collapse = None
+        for item in landed:
+            if item.tag is not None:
+                self._log(item, item.tag)
+            run = item.counters["collapse_run"]
+            if self.collapse_patience is None or run < self.collapse_patience:
+                self._collapse_reported_at = -1
+            elif self._collapse_reported_at < 0:
+                self._collapse_reported_at = self.steps
+                collapse = self._collapse_message(run, item.counters["scale"])
+        if collapse is None:
             return
-        for callback, every in self.loggers:
-            if self.steps % every == 0:
-                callback({"step": self.steps, **landed})
-        run = landed["collapse_run"]
-        if self.collapse_patience is None or run < self.collapse_patience:
-            self._collapse_reported_at = -1
-            return
-        if self._collapse_reported_at >= 0:
-            return
-        self._collapse_reported_at = self.steps
-        message = self._collapse_message(run, landed["scale"])
         if self.on_collapse == "raise":
-            raise ScaleCollapseError(message)
-        warnings.warn(message, ScaleCollapseWarning, stacklevel=4)
+            raise ScaleCollapseError(collapse)
+        warnings.warn(collapse, ScaleCollapseWarning, stacklevel=4)
+
+    def _log(self, item: Landed, tag: _Tag) -> None:
+        """Build the record of one landed step and give it to the loggers due at that step."""
+        record: dict[str, Any] = {"step": tag.step, **item.counters, "version": LOG_VERSION, "skipped": item.skipped}
+        carried = item.carried
+        if item.skipped or item.changed:
+            names = tag.names
+            if names is None:
+                names = self._resolve(tag, carried.tolist() if carried is not None else [])
+            record["nonfinite"] = names[:SHOWN_NAMES]
+            if len(names) > SHOWN_NAMES:
+                record["nonfinite_more"] = len(names) - SHOWN_NAMES
+        # the norm alone, on most steps: not one float per parameter (tolist: a host copy, not a sync)
+        norm = carried[-1:].tolist()[0] if tag.carried_norm and carried is not None else tag.norm
+        if norm is not None:
+            record["grad_norm"] = norm
+        for position, (callback, every) in enumerate(self.loggers):
+            if tag.step % every:
+                continue
+            if self._policies.get(position) is not tag.rule:  # a new rule object: a setter or a load ran
+                self._policies[position] = tag.rule
+                callback({**record, "policy": policy_record(tag.rule)})
+            else:
+                callback(record)
+
+    def _resolve(self, tag: _Tag, values: list[float]) -> list[str]:
+        """Names of the parameters whose carried value is not finite, labelled as ``nonfinite_parameters`` does."""
+        bad = [p for p, v in zip(tag.params, values, strict=False) if not math.isfinite(v)]
+        if not bad:
+            return []
+        where: dict[int, str] = {}
+        for ref in tag.optimizers:
+            optimizer = ref()
+            for gi, group in enumerate(optimizer.param_groups if optimizer is not None else []):
+                for pi, param in enumerate(group["params"]):
+                    where.setdefault(id(param), f"param_groups[{gi}][{pi}]")
+        return [self.label(p, where.get(id(p), "parameter")) for p in bad]
 
     def _collapse_message(self, run: int, scale: float) -> str:
         names = self.nonfinite_parameters()
@@ -150,7 +290,8 @@ class Monitor:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(loggers=[], param_names=None, grad_norms=None, last_optimizers=[])
+        state.update(loggers=[], param_names=None, grad_norms=None, last_optimizers=[], _reads={}, _norm=None)
+        state.update(_policies={}, _on_host=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -163,11 +304,47 @@ class Monitor:
         new.param_names = WeakIdKeyDictionary(self.param_names)
         new.grad_norms = WeakById()
         new.last_optimizers = []
+        new._reads, new._norm, new._policies = {}, None, dict(self._policies)
         return new
 
 
+def _per_device(owners: grads.GradGroups, results: dict[torch.device, torch.Tensor]) -> list[NormRecord]:
+    """Per-device per-tensor ``results`` with the parameters they belong to (``owners`` of ``group_grads``)."""
+    return [([p for params in owners[device].values() for p in params], r) for device, r in results.items()]
+
+
+def policy_record(rule: ScaleRule) -> dict[str, Any]:
+    """The ``"policy"`` object of a log record."""
+    return {
+        "growth_factor": rule.growth_factor,
+        "backoff_factor": rule.backoff_factor,
+        "growth_interval": rule.growth_interval,
+        "hysteresis": rule.hysteresis,
+        "min_scale": rule.min_scale,
+        "max_scale": rule.max_scale,
+    }
+
+
 class JsonLinesLogger:
-    """A ``GradScaler.add_logger`` callback that appends one JSON object per call to ``path``."""
+    """A ``GradScaler.add_logger`` callback that appends one JSON object per call to ``path``.
+
+    Each line describes the state after one ``update()`` (log version 2; docs/log-format.md):
+
+    * ``step``: the number of completed ``update()`` calls the record describes (on CUDA it is
+      written one update later, but names the update it describes).
+    * ``scale``: the scale after that update. ``skipped_steps``, ``consecutive_skips``, ``growths``,
+      ``backoffs``, ``collapse_run``: the counters, as ``stats()`` gives them.
+    * ``version``: 2. ``skipped``: whether that update saw a non-finite gradient (its step was skipped).
+    * ``nonfinite``: on a step that was skipped or changed the scale, the names (from
+      ``name_parameters``; else ``param_groups[i][j] (shape)``) of the parameters whose gradients
+      were non-finite, at most 20 (``nonfinite_more``: how many more). Empty on a growth.
+    * ``grad_norm``: when ``clip_grad_norm_`` ran in that step, the total unscaled norm it returned
+      (NaN or Infinity on an overflowing step; the last clipped optimizer's when several were).
+    * ``policy``: on the first record and after any change, ``growth_factor``, ``backoff_factor``,
+      ``growth_interval``, ``hysteresis``, ``min_scale``, ``max_scale`` (null when unset).
+
+    Readers should ignore keys they do not know; 0.1.0 logs hold the first seven fields only.
+    """
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -175,3 +352,52 @@ class JsonLinesLogger:
     def __call__(self, record: dict[str, Any]) -> None:
         with self.path.open("a", encoding="utf-8") as handle:
             handle.write(json.dumps(record) + "\n")
+
+
+TENSORBOARD_KEYS = ("scale", *COUNTERS, "grad_norm")
+"""The numbers of a record that ``TensorBoardLogger`` writes, each as ``amp/<key>``."""
+
+
+class TensorBoardLogger:
+    """A ``GradScaler.add_logger`` callback that writes a record's numbers as TensorBoard scalars.
+
+    ``amp/scale``, ``amp/skipped_steps``, ``amp/consecutive_skips``, ``amp/growths``, ``amp/backoffs``,
+    ``amp/collapse_run`` and, when the record has it, ``amp/grad_norm``, each at the record's
+    ``"step"``. ``target`` is a log directory (a ``torch.utils.tensorboard.SummaryWriter`` is opened
+    there; needs the ``tensorboard`` package) or any writer with ``add_scalar(tag, value, step)``
+    (torch's ``SummaryWriter``, tensorboardX's), which the caller keeps and closes. ``prefix``
+    replaces ``"amp/"``.
+    """
+
+    def __init__(self, target: str | os.PathLike[str] | Any, prefix: str = "amp/") -> None:
+        if isinstance(target, (str, os.PathLike)):
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as error:
+                raise ImportError(
+                    f"TensorBoardLogger({os.fspath(target)!r}) writes with torch.utils.tensorboard, which needs the "
+                    "tensorboard package: pip install tensorboard (or pass a SummaryWriter of your own)."
+                ) from error
+            self.writer = SummaryWriter(os.fspath(target))
+        elif callable(getattr(target, "add_scalar", None)):
+            self.writer = target
+        else:
+            raise TypeError(
+                "TensorBoardLogger takes a log directory (str or path) or a writer with add_scalar(tag, value, step), "
+                f"got {type(target).__name__}."
+            )
+        self.prefix = prefix
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        step = record["step"]
+        for key in TENSORBOARD_KEYS:
+            if key in record:
+                self.writer.add_scalar(self.prefix + key, record[key], step)
+
+    def flush(self) -> None:
+        """Write pending events to disk."""
+        self.writer.flush()
+
+    def close(self) -> None:
+        """Flush and close the writer."""
+        self.writer.close()

@@ -254,10 +254,7 @@ class GradScaler(torch.amp.GradScaler):
         if not unscaled:
             self._record_found_inf(optimizer, record, flags, agreement)
         total = clipping.global_norm(norms, owners, norm_type, scale.device, agreement)
-        self._monitor.grad_norms[optimizer] = [
-            ([p for params in owners[device].values() for p in params], device_norms)
-            for device, device_norms in norms.items()
-        ]
+        self._monitor.clipped(optimizer, owners, norms, total)
         coef = clipping.clip_coefficient(total, max_norm, on_host=self._scale_on_host)
         if hand_off and not unscaled:
             record["grad_scale"] = (scale / coef * getattr(optimizer, "grad_scale", 1)).float()
@@ -355,9 +352,9 @@ class GradScaler(torch.amp.GradScaler):
         before = self._telemetry.before(scale)  # a float when the scale is in host memory
         held = before if self._scale_on_host else None
         rule.update_scale_(scale, growth_tracker, self._hysteresis_tracker, found, self._rule, held)
-        self._telemetry.record_(found, before, scale, self._rule.lower)
+        tag, carry = self._monitor.record_update(records, found, self._rule)
+        self._telemetry.record_(found, before, scale, self._rule.lower, tag, carry)
         self._last_found_inf = found
-        self._monitor.record_update([r["optimizer"] for r in records if "optimizer" in r])
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
         if self._monitor.wants_counters:
             self._monitor.after_update(self._telemetry.landed())
@@ -418,6 +415,8 @@ class GradScaler(torch.amp.GradScaler):
         sync). For a per-step logger without syncs, see ``add_logger``.
         """
         snapshot = self._snapshot()
+        if self._telemetry is not None and self._monitor.loggers:  # synced already: log every record issued
+            self._monitor.after_update(self._telemetry.landed(wait=True))
         out: dict[str, Any] = {"scale": snapshot.scale, "steps": snapshot.steps}
         out.update(zip(COUNTERS, snapshot.counters, strict=True))
         out["growth_tracker"] = snapshot.growth_tracker
@@ -434,8 +433,10 @@ class GradScaler(torch.amp.GradScaler):
     def add_logger(self, callback: Callable[[dict[str, Any]], None], every: int = 1) -> None:
         """Call ``callback(stats)`` every ``every`` updates with counters that have reached the host.
 
-        No sync: the numbers are those of the latest update whose copy has landed (on CUDA usually
-        the previous step). ``gradscaler.JsonLinesLogger(path)`` writes them as JSON lines.
+        No sync: each update's record reaches the callbacks once its copy has landed on the host (on
+        CUDA usually at the next ``update()``; ``stats()`` delivers every record still in flight), in
+        order, its ``"step"`` naming the update it describes. ``gradscaler.JsonLinesLogger(path)``
+        writes them as JSON lines and documents the fields.
         """
         self._monitor.add_logger(callback, every)
 
@@ -679,7 +680,7 @@ class GradScaler(torch.amp.GradScaler):
             ones = torch.ones((), dtype=torch.float32, device=self._scale.device)  # type: ignore[union-attr]
             flags = self._unscale_grads_(optimizer, ones, torch.zeros_like(ones), True)
         else:
-            flags = grads.nonfinite_flags(grads.group_grads(params, allow_fp16=True))
+            flags = self._monitor.nonfinite_flags(optimizer, params)  # grads.nonfinite_flags, kept for attribution
         self._record_found_inf(optimizer, record, flags, agreement)
         return record["found_inf_per_device"]
 

@@ -3,9 +3,11 @@
 Every ``update()`` adds one record. Two keepers share one accounting (``events`` and ``CONSECUTIVE``):
 
 * ``Telemetry``, for a scale on an accelerator: a handful of tiny device ops per record, nothing read
-  back. The host sees the counters through a mirror: after each record they are copied into (pinned,
-  on CUDA) host memory without blocking, and the host reads the copy once it has landed, normally one
-  step later. Works under CUDA-graph capture (the counters then stay on the device).
+  back. The host sees each record through a mirror: the counters, the scale before and after and the
+  overflow flag (and whatever the caller asks to carry along) are copied into (pinned, on CUDA) host
+  memory without blocking, and the host reads the copy once it has landed, normally one step later.
+  Every record lands, in order: a copy still in flight keeps its own buffers. Works under CUDA-graph
+  capture (the counters then stay on the device).
 * ``HostTelemetry``, for a scale in host memory (the CPU): the record is kept in Python numbers. Reading
   a CPU tensor costs what reading a float does, while each tiny tensor op costs 1-2 us of dispatch:
   this keeper costs ~3 us per record where ``Telemetry`` costs ~30.
@@ -16,7 +18,8 @@ Every ``update()`` adds one record. Two keepers share one accounting (``events``
 from __future__ import annotations
 
 import math
-from typing import Any, Protocol, TypeVar
+from collections import deque
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import torch
 
@@ -25,6 +28,9 @@ CONSECUTIVE = (False, True, False, False, True)
 """Which counters count a run of consecutive events: they fall back to 0 on a record without their event."""
 SATURATE = 2**62
 """Counters stop here rather than wrap (int64)."""
+IN_FLIGHT = 1024
+"""Most records ``Telemetry`` keeps unread; beyond, the oldest one's buffers take the newest (that
+record is lost: only when nobody calls ``landed``, or the host runs this many updates ahead of the device)."""
 
 _Event = TypeVar("_Event")
 
@@ -34,12 +40,35 @@ def events(skipped: _Event, grew: _Event, shrank: _Event, skipped_at_floor: _Eve
     return skipped, skipped, grew, shrank, skipped_at_floor
 
 
+class Landed(NamedTuple):
+    """One record as the host sees it.
+
+    ``counters``: the ``COUNTERS`` and ``"scale"`` (after the update) as Python numbers; read-only, it
+    may be shared between records. ``skipped``: the update saw an overflow. ``changed``: the scale
+    moved. ``tag`` and ``carried``: what the caller passed to ``record_`` (``carried`` now in host memory).
+    """
+
+    counters: dict[str, Any]
+    skipped: bool
+    changed: bool
+    tag: Any
+    carried: torch.Tensor | None
+
+
 class Keeper(Protocol):
     """What the scaler asks of a telemetry keeper."""
 
     def before(self, scale: torch.Tensor) -> Any: ...
-    def record_(self, found: torch.Tensor, before: Any, after: torch.Tensor, lower: float) -> None: ...
-    def landed(self) -> dict[str, Any] | None: ...
+    def record_(
+        self,
+        found: torch.Tensor,
+        before: Any,
+        after: torch.Tensor,
+        lower: float,
+        tag: Any = None,
+        carry: torch.Tensor | None = None,
+    ) -> None: ...
+    def landed(self, wait: bool = False) -> list[Landed]: ...
     def read(self) -> dict[str, int]: ...
     def load(self, counters: list[int]) -> None: ...
     def histories(self) -> tuple[list[float], list[bool]]: ...
@@ -55,50 +84,82 @@ class Telemetry:
 
     ``counters`` (int64): skipped steps, consecutive skips, growths, backoffs, and consecutive
     overflows at the minimum scale (``collapse_run``). ``ring`` holds the last ``history`` steps (scale
-    after the update, overflow flag); ``cursor`` (a device tensor) counts the records written.
+    after the update, overflow flag, scale before); ``cursor`` (a device tensor) counts the records written.
     """
 
     def __init__(self, device: torch.device, history: int, counters: list[int]) -> None:
         self.history = history
         self.counters = torch.tensor(counters, dtype=torch.int64, device=device)
         self._kept = torch.tensor([not c for c in CONSECUTIVE], dtype=torch.int64, device=device)
-        self.ring = torch.full((history, 2), math.nan, dtype=torch.float32, device=device)
+        self.ring = torch.full((history, 3), math.nan, dtype=torch.float32, device=device)
         self.cursor = torch.zeros(1, dtype=torch.int64, device=device)  # records written (a device tensor: graph-safe)
-        pin = device.type == "cuda"
-        self._mirror = torch.zeros(len(COUNTERS), dtype=torch.int64, pin_memory=pin)
-        self._scale_mirror = torch.zeros((), dtype=torch.float32, pin_memory=pin)
-        self._event: Any = None
+        self._pin = device.type == "cuda"
+        self._in_flight: deque[_Mirror] = deque()  # copies issued, oldest first
+        self._free: list[_Mirror] = []  # mirrors whose copy has been read
 
     def before(self, scale: torch.Tensor) -> torch.Tensor:
         """The scale as it is now, to pass to ``record_`` after the update (a device copy)."""
         return scale.clone()
 
-    def record_(self, found: torch.Tensor, before: torch.Tensor, after: torch.Tensor, lower: float) -> None:
-        """Account for one update: ``found`` 0-d float flag, the scale ``before`` and ``after`` it."""
+    def record_(
+        self,
+        found: torch.Tensor,
+        before: torch.Tensor,
+        after: torch.Tensor,
+        lower: float,
+        tag: Any = None,
+        carry: torch.Tensor | None = None,
+    ) -> None:
+        """Account for one update: ``found`` 0-d float flag, the scale ``before`` and ``after`` it.
+
+        ``tag`` (any host object) and ``carry`` (a device tensor, copied to the host without blocking
+        along with the counters) come back with this record from ``landed``.
+        """
         skipped = found != 0
         happened = torch.stack(events(skipped, after > before, after < before, skipped & (before <= lower))).long()
         # counter = (counter + event) * (event or not CONSECUTIVE): counts, and runs that reset to 0
         self.counters.add_(happened).mul_(happened.bitwise_or_(self._kept)).clamp_(max=SATURATE)
         slot = self.cursor.remainder(self.history)
-        self.ring.index_copy_(0, slot, torch.stack([after, found]).view(1, 2))
+        row = torch.stack([after, found, before])
+        self.ring.index_copy_(0, slot, row.view(1, 3))
         self.cursor.add_(1)
         if self.counters.is_cuda and torch.cuda.is_current_stream_capturing():
             return  # under CUDA-graph capture the counters stay on the device: read them with stats()
-        self._mirror.copy_(self.counters, non_blocking=True)
-        self._scale_mirror.copy_(after, non_blocking=True)
+        if len(self._in_flight) >= IN_FLIGHT:
+            # Nobody reads them (no logger): reuse the oldest; copies into one buffer land in stream order.
+            mirror = self._in_flight.popleft()
+        else:
+            mirror = self._free.pop() if self._free else _Mirror(self._pin)
+        mirror.counters.copy_(self.counters, non_blocking=True)
+        mirror.row.copy_(row, non_blocking=True)
+        mirror.carried = None if carry is None else carry.to("cpu", non_blocking=True)
+        mirror.tag = tag
         if self.counters.is_cuda:
-            self._event = torch.cuda.Event()
-            self._event.record()
+            mirror.event = torch.cuda.Event()
+            mirror.event.record()
+        self._in_flight.append(mirror)
 
-    def landed(self) -> dict[str, Any] | None:
-        """Counters and scale as of the last record whose copy has landed on the host, else None. No sync."""
+    def landed(self, wait: bool = False) -> list[Landed]:
+        """The records whose copy has landed on the host since the last call, oldest first. No sync,
+        unless ``wait``: then every record issued so far (the host waits for their copies)."""
         if self.counters.is_cuda and torch.cuda.is_current_stream_capturing():
-            return None  # an event cannot be queried while a graph is being captured
-        if self._event is not None and not self._event.query():
-            return None
-        landed: dict[str, Any] = dict(zip(COUNTERS, self._mirror.tolist(), strict=True))
-        landed["scale"] = self._scale_mirror.tolist()
-        return landed
+            return []  # an event cannot be queried while a graph is being captured
+        out = []
+        while self._in_flight:
+            mirror = self._in_flight[0]
+            if mirror.event is not None:
+                if wait:
+                    mirror.event.synchronize()
+                elif not mirror.event.query():
+                    break
+            self._in_flight.popleft()
+            after, found, before = mirror.row.tolist()
+            counters: dict[str, Any] = dict(zip(COUNTERS, mirror.counters.tolist(), strict=True))
+            counters["scale"] = after
+            out.append(Landed(counters, found != 0, after != before, mirror.tag, mirror.carried))
+            mirror.tag = mirror.carried = mirror.event = None
+            self._free.append(mirror)
+        return out
 
     def read(self) -> dict[str, int]:
         """The current counters (syncs with the device)."""
@@ -114,14 +175,25 @@ class Telemetry:
         count = min(steps, self.history)
         order = [(steps - count + i) % self.history for i in range(count)]
         rows = self.ring[torch.tensor(order, dtype=torch.long, device=self.ring.device)].tolist()
-        return [scale for scale, _ in rows], [found != 0 for _, found in rows]
+        return [row[0] for row in rows], [row[1] != 0 for row in rows]
+
+
+class _Mirror:
+    """Host buffers for one record's copy: counters, (scale after, flag, scale before), what was carried."""
+
+    def __init__(self, pin: bool) -> None:
+        self.counters = torch.zeros(len(COUNTERS), dtype=torch.int64, pin_memory=pin)
+        self.row = torch.zeros(3, dtype=torch.float32, pin_memory=pin)
+        self.carried: torch.Tensor | None = None
+        self.tag: Any = None
+        self.event: Any = None
 
 
 class HostTelemetry:
     """The counters and history of ``Telemetry`` as Python numbers, for a scale in host memory.
 
     A record in which nothing moves (a clean step, no growth, no run to reset, the scale as last
-    landed: most steps) only writes the ring, and ``landed`` returns the same dict as before.
+    landed: most steps) only writes the ring, and its record shares the counters dict of the one before.
     """
 
     def __init__(self, history: int, counters: list[int]) -> None:
@@ -131,14 +203,24 @@ class HostTelemetry:
         self._records = 0
         self._counters: list[int] = []
         self._landed: dict[str, Any] = {}
+        self._last: Landed | None = None
         self.load(counters)
 
     def before(self, scale: torch.Tensor) -> float:
         """The scale as it is now, to pass to ``record_`` after the update."""
         return scale.item()
 
-    def record_(self, found: torch.Tensor, before: float, after: torch.Tensor, lower: float) -> None:
-        """Account for one update: ``found`` 0-d float flag, the scale ``before`` and ``after`` it."""
+    def record_(
+        self,
+        found: torch.Tensor,
+        before: float,
+        after: torch.Tensor,
+        lower: float,
+        tag: Any = None,
+        carry: torch.Tensor | None = None,
+    ) -> None:
+        """Account for one update: ``found`` 0-d float flag, the scale ``before`` and ``after`` it.
+        ``tag`` and ``carry`` come back with the record from ``landed``."""
         skipped, now = found.item() != 0, after.item()
         happened = events(skipped, now > before, now < before, skipped and before <= lower)
         if any(happened) or any(self._counters[i] for i in _RUNS) or now != self._landed["scale"]:
@@ -150,10 +232,12 @@ class HostTelemetry:
         slot = self._records % self.history
         self._scales[slot], self._skipped[slot] = now, skipped
         self._records += 1
+        self._last = Landed(self._landed, skipped, now != before, tag, carry)
 
-    def landed(self) -> dict[str, Any] | None:
-        """The current counters and scale (nothing to wait for on the host). Read-only: shared between calls."""
-        return self._landed if self._records else None
+    def landed(self, wait: bool = False) -> list[Landed]:
+        """The last record, once (nothing to wait for on the host); its counters dict is shared between calls."""
+        last, self._last = self._last, None
+        return [] if last is None else [last]
 
     def read(self) -> dict[str, int]:
         """The current counters."""
