@@ -26,6 +26,7 @@ LAYERS: dict[str, int] = {
     "clipping": 2,
     "monitor": 2,
     "checkpoint": 2,
+    "masters": 2,
     "scaler": 3,
     "drop_in": 4,
     "frameworks": 4,

@@ -16,7 +16,7 @@ from typing import Any, TypedDict
 import torch
 from torch.amp.grad_scaler import OptState
 
-from gradscaler import checkpoint, clipping, distributed, fused, grads, kernels, rule
+from gradscaler import checkpoint, clipping, distributed, fused, grads, kernels, masters, rule
 from gradscaler.monitor import Monitor
 from gradscaler.telemetry import COUNTERS, Keeper, make_telemetry
 
@@ -102,6 +102,8 @@ class GradScaler(torch.amp.GradScaler):
             ``on_collapse`` acts (``None`` never acts).
         on_collapse: ``"raise"`` a ``ScaleCollapseError`` or ``"warn"`` with ``ScaleCollapseWarning``.
         history: length of the on-device ring of past scales and skip flags.
+        master_weights: train float16/bfloat16 parameters through float32 masters the optimizer steps
+            (``gradscaler.masters``; docs/migration.md). False keeps torch's ``ValueError``.
     """
 
     def __init__(
@@ -121,6 +123,7 @@ class GradScaler(torch.amp.GradScaler):
         collapse_patience: int | None = 50,
         on_collapse: str = "raise",
         history: int = 1024,
+        master_weights: bool = False,
     ) -> None:
         self._device = device
         self._enabled = enabled
@@ -142,6 +145,7 @@ class GradScaler(torch.amp.GradScaler):
         self._init_hysteresis_tracker = self._rule.hysteresis
         self._init_counters = [0] * len(COUNTERS)
         self._process_group = process_group
+        self._masters = masters.MasterWeights() if master_weights else None
         self._scale: torch.Tensor | None = None
         self._growth_tracker: torch.Tensor | None = None
         self._hysteresis_tracker: torch.Tensor | None = None
@@ -197,6 +201,8 @@ class GradScaler(torch.amp.GradScaler):
         self._check_scale_growth_tracker("unscale_")
         record = self._per_optimizer_states[id(optimizer)]
         self._check_stage(record, "unscale_()")
+        if self._masters is not None:
+            self._masters.gather(optimizer)
         inv_scale = self._inv_scale()
         params = self._params(optimizer)
         per_device = grads.unscale_and_check_(grads.group_grads(params, allow_fp16=False), inv_scale)
@@ -224,6 +230,8 @@ class GradScaler(torch.amp.GradScaler):
         self._check_stage(record, "clip_grad_norm_()", allow_unscaled=True)
         if record.get("clipped"):
             raise RuntimeError("clip_grad_norm_() has already been called on this optimizer since the last update().")
+        if self._masters is not None:
+            self._masters.gather(optimizer)
         unscaled = record["stage"] is OptState.UNSCALED
         hand_off = fused.supports_amp_scaling(optimizer) and not fused.takes_grad_scaler_kwarg(optimizer)
         owners = grads.new_groups()
@@ -261,6 +269,8 @@ class GradScaler(torch.amp.GradScaler):
         over, so a retry unscales exactly once. Closures are refused.
         """
         if not self._enabled:
+            if self._masters is not None:
+                masters.refuse_low_precision(optimizer)
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs or (args and callable(args[0])):
             raise RuntimeError(_CLOSURE_MESSAGE)
@@ -269,15 +279,22 @@ class GradScaler(torch.amp.GradScaler):
         if record["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
         try:
+            if self._masters is not None:
+                self._masters.gather(optimizer)
+                self._masters.check_untouched(optimizer)
+            stepped = True  # a fused optimizer skips inside: its masters are unchanged and copy back as they were
             if fused.supports_amp_scaling(optimizer):
                 retval = self._fused_step(optimizer, record, args, kwargs)
             else:
                 if record["stage"] is OptState.READY:
                     self.unscale_(optimizer)
-                retval = None if record["found_inf"].item() else optimizer.step(*args, **kwargs)
+                stepped = not record["found_inf"].item()
+                retval = optimizer.step(*args, **kwargs) if stepped else None
         except BaseException:
             self._restart_optimizer_iteration(optimizer)
             raise
+        if self._masters is not None:
+            self._masters.finish(optimizer, stepped)
         record["stage"] = OptState.STEPPED
         return retval
 
@@ -583,6 +600,8 @@ class GradScaler(torch.amp.GradScaler):
     def _restart_optimizer_iteration(self, optimizer: torch.optim.Optimizer) -> None:
         """Undo this iteration's in-place unscaling of ``optimizer``'s gradients and forget its record."""
         record = self._per_optimizer_states.pop(id(optimizer), None)
+        if self._masters is not None:
+            self._masters.restart(optimizer)
         if record is not None and "grads_factor" in record:
             with torch.no_grad():
                 clipping.scale_grads_(
