@@ -123,16 +123,18 @@ def train(
     data: list[tuple[torch.Tensor, torch.Tensor]],
     trace: dict[str, Any],
     clip: float | None = None,
-    clip_after_unscale: bool = False,
+    clip_after_unscale: str | None = None,
 ) -> dict[str, Any]:
-    """Train on ``data``, appending to ``trace``; ``clip`` through ``scaler.clip_grad_norm_``, or (with
-    ``clip_after_unscale``) ``scaler.unscale_`` + torch's clipping of the optimizer's own parameters."""
+    """Train on ``data``, appending to ``trace``; ``clip`` through ``scaler.clip_grad_norm_``, or
+    ``scaler.unscale_`` + torch's clipping of the ``"optimizer"``'s or the ``"model"``'s parameters."""
     for x, y in data:
         opt.zero_grad()
         scaler.scale(loss_of(model, x, y)).backward()
         if clip is not None and clip_after_unscale:
             scaler.unscale_(opt)
-            torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], clip)
+            owner = model if clip_after_unscale == "model" else None
+            params = owner.parameters() if owner else [p for g in opt.param_groups for p in g["params"]]
+            torch.nn.utils.clip_grad_norm_(params, clip)
         elif clip is not None:
             scaler.clip_grad_norm_(opt, clip)
         scaler.step(opt)
@@ -180,7 +182,7 @@ def test_equals_the_recipe_by_hand_with_torchs_scaler(name: str) -> None:
 def test_unscale_then_clipping_the_optimizers_parameters_equals_the_recipe_by_hand(name: str) -> None:
     reference = by_hand(name, clip=0.5)
     model, opt, scaler = fresh(name)
-    trace = train(model, opt, scaler, batches(), {"scales": [], "params": [], "skipped": []}, 0.5, True)
+    trace = train(model, opt, scaler, batches(), {"scales": [], "params": [], "skipped": []}, 0.5, "optimizer")
     assert_same_run(trace, reference)
 
 
@@ -313,3 +315,125 @@ def test_loading_a_checkpoint_into_a_bound_optimizer_restores_the_masters() -> N
 @pytest.mark.parametrize("name", ["adamw_foreach", "sgd_momentum_forloop", "adamw_fused"])
 def test_scaler_clip_grad_norm_clips_the_masters_gradients_as_the_recipe_by_hand(name: str) -> None:
     assert_same_run(ours(name, clip=0.5), by_hand(name, clip=0.5, scaler_clips=True))
+
+
+# Errors -----------------------------------------------------------------------------------------------
+
+
+def one_backward(model: nn.Module, scaler: GradScaler) -> None:
+    x, y = batches(1)[0]
+    scaler.scale(loss_of(model, x, y)).backward()
+
+
+def test_clipping_model_parameters_after_unscale_is_refused_with_the_fix() -> None:
+    model, opt, _ = fresh("adamw_foreach")
+    scaler = GradScaler("cpu", init_scale=1.0, master_weights=True)  # a step that would apply
+    one_backward(model, scaler)
+    before = snapshot(model)
+    scaler.unscale_(opt)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    with pytest.raises(ValueError, match=r"scaler\.clip_grad_norm_\(optimizer, max_norm\)") as caught:
+        scaler.step(opt)
+    assert "optimizer.param_groups[0]['params'][0] (shape (32, 16), torch.float16)" in str(caught.value)
+    assert_bits_equal(snapshot(model), before, "parameters")
+
+
+def test_patch_torch_master_weights_clips_model_parameters_through_the_masters() -> None:
+    import gradscaler
+
+    with gradscaler.patch_torch(master_weights=True):
+        model = HalfNet()
+        opt = OPTIMIZERS["adamw_foreach"]([p for p in model.parameters() if p.requires_grad])
+        scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=3)
+        trace = train(model, opt, scaler, batches(), {"scales": [], "params": [], "skipped": []}, 0.5, "model")
+    assert isinstance(scaler, GradScaler)
+    assert torch.nn.utils.clip_grad_norm_ is gradscaler.drop_in._torch_clip_grad_norm_
+    assert_same_run(trace, by_hand("adamw_foreach", clip=0.5))
+
+
+def test_patch_torch_with_other_master_weights_is_refused() -> None:
+    import gradscaler
+
+    with gradscaler.patch_torch(), pytest.raises(ValueError, match=r"unpatch_torch\(\) first"):
+        gradscaler.patch_torch(master_weights=True)
+
+
+@pytest.mark.parametrize("where", ["meta", "sparse"])
+def test_a_parameter_without_buildable_master_is_named(where: str) -> None:
+    model = HalfNet()
+    if where == "meta":
+        odd = nn.Parameter(torch.empty(3, 5, dtype=torch.float16, device="meta"))
+    else:
+        odd = nn.Parameter(torch.eye(3, 5, dtype=torch.float16).to_sparse())
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad] + [odd], lr=0.1)
+    scaler = GradScaler("cpu", master_weights=True)
+    one_backward(model, scaler)
+    message = r"optimizer\.param_groups\[0\]\['params'\]\[6\] \(shape \(3, 5\), torch\.float16\)"
+    with pytest.raises(ValueError, match=message) as caught:
+        scaler.step(opt)
+    assert ("to_empty()" if where == "meta" else "sparse_coo") in str(caught.value)
+    assert opt.param_groups[0]["params"][0] is model.fc1.weight, "nothing changed before the refusal"
+
+
+def test_an_optimizer_holding_a_parameter_twice_is_refused() -> None:
+    model = HalfNet()
+    params = [p for p in model.parameters() if p.requires_grad]
+    with pytest.warns(UserWarning, match="duplicate parameters"):
+        opt = torch.optim.SGD([*params, model.fc2.bias], lr=0.1)
+    scaler = GradScaler("cpu", master_weights=True)
+    one_backward(model, scaler)
+    with pytest.raises(ValueError, match=r"holds one parameter twice, as .*\['params'\]\[5\].* and as .*\[6\]"):
+        scaler.step(opt)
+
+
+def test_a_parameter_in_two_optimizers_of_one_scaler_is_refused() -> None:
+    model = HalfNet()
+    a = torch.optim.SGD([model.fc1.weight], lr=0.1)
+    b = torch.optim.SGD([model.fc1.weight, model.fc2.weight], lr=0.1)
+    scaler = GradScaler("cpu", master_weights=True)
+    one_backward(model, scaler)
+    scaler.unscale_(a)
+    with pytest.raises(ValueError, match=r"\['params'\]\[0\] .* already has a float32 master in another optimizer"):
+        scaler.unscale_(b)
+
+
+def test_disabled_scaler_with_master_weights_refuses_float16_and_steps_float32() -> None:
+    model = HalfNet()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    scaler = GradScaler("cpu", enabled=False, master_weights=True)
+    one_backward(model, scaler)
+    with pytest.raises(ValueError, match=r"enabled=False\) does not scale and keeps no masters: .*\['params'\]\[0\]"):
+        scaler.step(opt)
+    full = nn.Linear(4, 4)
+    opt32 = torch.optim.SGD(full.parameters(), lr=0.1)
+    full(torch.ones(2, 4)).sum().backward()
+    before = full.weight.detach().clone()
+    scaler.step(opt32)
+    assert not torch.equal(full.weight, before)
+
+
+def test_new_float16_parameters_added_later_get_masters() -> None:
+    model, opt, scaler = fresh("adamw_foreach")
+    extra = nn.Parameter(torch.ones(4, dtype=torch.float16))
+    train(model, opt, scaler, batches(12), {"scales": [], "params": [], "skipped": []})
+    opt.add_param_group({"params": [extra], "lr": 0.5})
+    x, y = batches(1)[0]
+    scaler.scale(loss_of(model, x, y) + (extra.float() ** 2).sum() * 1e-3).backward()
+    scaler.step(opt)
+    scaler.update()
+    master = opt.param_groups[1]["params"][0]
+    assert master.dtype == torch.float32 and master is not extra
+    assert torch.equal(extra, master.half()) and not torch.equal(extra, torch.ones(4, dtype=torch.float16))
+
+
+def test_a_model_load_after_binding_is_taken_by_the_masters() -> None:
+    model, opt, scaler = fresh("sgd_momentum_forloop")
+    train(model, opt, scaler, batches(12), {"scales": [], "params": [], "skipped": []})
+    new = HalfNet(seed=5)
+    model.load_state_dict(new.state_dict())
+    x, y = batches(1)[0]
+    opt.zero_grad()
+    scaler.scale(loss_of(model, x, y)).backward()
+    scaler.unscale_(opt)
+    for low, master in scaler._masters.masters(opt):
+        assert torch.equal(master.half(), low)

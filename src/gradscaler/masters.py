@@ -27,11 +27,12 @@ masters from the saved values and puts the exact float32 state back.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from gradscaler.grads import iter_params
 
@@ -47,6 +48,18 @@ CLIPPED_LOW_GRADS_MESSAGE = (
     "the optimizer's own parameters after scaler.unscale_(optimizer): "
     "torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g['params']], max_norm)."
 )
+
+
+# Low-precision parameters whose gradients are in their masters this iteration -> those masters, for
+# every scaler: ``stand_ins`` lets a clipping call over ``model.parameters()`` reach the masters.
+_MOVED = WeakIdKeyDictionary()  # weakref's own dictionary compares tensors with ==
+
+
+def stand_ins(parameters: torch.Tensor | Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """``parameters`` with each low-precision parameter whose gradient a scaler has moved this iteration
+    replaced by its master (whose gradient is the one the optimizer steps with)."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    return [_MOVED.get(p, p) for p in params]
 
 
 def describe(group: int, index: int, param: torch.Tensor) -> str:
@@ -130,7 +143,7 @@ class MasterWeights:
 
     def __init__(self) -> None:
         self._bindings: weakref.WeakKeyDictionary[torch.optim.Optimizer, Binding] = weakref.WeakKeyDictionary()
-        self._owners: weakref.WeakKeyDictionary[torch.Tensor, Any] = weakref.WeakKeyDictionary()
+        self._owners = WeakIdKeyDictionary()
 
     def __deepcopy__(self, memo: dict[int, Any]) -> MasterWeights:
         # The masters live in the optimizers' param_groups: a copied scaler must keep steering them.
@@ -164,6 +177,7 @@ class MasterWeights:
                     continue  # as a float32 parameter would: the master keeps what zero_grad left
                 pair.master.grad = grad.to(torch.float32, copy=True)
                 pair.grad_version = grad._version
+                _MOVED[low] = pair.master
         binding.gathered = True
 
     def check_untouched(self, optimizer: torch.optim.Optimizer) -> None:
@@ -191,6 +205,7 @@ class MasterWeights:
                 if pair.grad is not None:
                     pair.low.grad = None
                     pair.grad = None
+                _MOVED.pop(pair.low, None)
         binding.gathered = False
 
     def restart(self, optimizer: torch.optim.Optimizer) -> None:
@@ -198,6 +213,8 @@ class MasterWeights:
         binding = self._bindings.get(optimizer)
         if binding is not None:
             binding.gathered = False
+            for pair in binding.pairs:
+                _MOVED.pop(pair.low, None)
 
     def _refresh(self, pair: Pair) -> None:
         """Take the parameter's new values where they differ from the master rounded (a model load of the
