@@ -192,7 +192,7 @@ def test_skipped_steps_leave_parameters_masters_and_state_untouched(name: str) -
     data = batches(14)
     train(model, opt, scaler, data[:12], {"scales": [], "params": [], "skipped": []})
     params = snapshot(model)
-    masters = [m.detach().clone() for _, m in scaler._masters.masters(opt)]
+    masters = [m.detach().clone() for _, m in scaler.master_weights(opt)]
     state = states_by_position(opt)
     x, y = data[12]
     opt.zero_grad()
@@ -202,11 +202,11 @@ def test_skipped_steps_leave_parameters_masters_and_state_untouched(name: str) -
     scaler.update()
     assert scaler.last_step_skipped()
     assert_bits_equal(snapshot(model), params, "parameters")
-    assert_bits_equal([m for _, m in scaler._masters.masters(opt)], masters, "masters")
+    assert_bits_equal([m for _, m in scaler.master_weights(opt)], masters, "masters")
     for a, b in zip(states_by_position(opt), state, strict=True):
         assert a.keys() == b.keys()
         assert all(torch.equal(a[k], b[k]) for k in a)
-    assert all(p.grad is None for p, _ in scaler._masters.masters(opt)), "float16 gradients must not accumulate"
+    assert all(p.grad is None for p, _ in scaler.master_weights(opt)), "float16 gradients must not accumulate"
 
 
 def test_masters_replace_the_float16_parameters_in_the_optimizer_only() -> None:
@@ -215,7 +215,7 @@ def test_masters_replace_the_float16_parameters_in_the_optimizer_only() -> None:
     params = [p for g in opt.param_groups for p in g["params"]]
     assert [p.dtype for p in params] == [torch.float32] * 6
     assert params[2] is model.norm.weight and params[3] is model.norm.bias  # float32 ones stay themselves
-    lows = [low for low, _ in scaler._masters.masters(opt)]
+    lows = [low for low, _ in scaler.master_weights(opt)]
     assert lows == [model.fc1.weight, model.fc1.bias, model.fc2.weight, model.fc2.bias]
     assert all(p.dtype == torch.float16 for p in lows) and model.norm.weight.dtype == torch.float32
 
@@ -435,5 +435,5 @@ def test_a_model_load_after_binding_is_taken_by_the_masters() -> None:
     opt.zero_grad()
     scaler.scale(loss_of(model, x, y)).backward()
     scaler.unscale_(opt)
-    for low, master in scaler._masters.masters(opt):
+    for low, master in scaler.master_weights(opt):
         assert torch.equal(master.half(), low)

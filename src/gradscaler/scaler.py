@@ -452,6 +452,11 @@ class GradScaler(torch.amp.GradScaler):
         """Tell the scaler parameter names for overflow reports: a module or ``named_parameters()``."""
         self._monitor.name_parameters(named.named_parameters() if isinstance(named, torch.nn.Module) else named)
 
+    def master_weights(self, optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(low-precision parameter, float32 master) for each master ``optimizer`` steps (``master_weights=True``;
+        empty before the first ``unscale_``/``step`` of ``optimizer`` or without masters)."""
+        return [] if self._masters is None else self._masters.masters(optimizer)
+
     def state_dict(self) -> dict[str, Any]:
         """torch's five entries plus this scaler's policy, trackers and counters; plain Python values."""
         if not self._enabled:
