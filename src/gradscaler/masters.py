@@ -34,7 +34,8 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from gradscaler.grads import iter_params
+from gradscaler.grads import checkable_view, combine_flags, iter_params
+from gradscaler.kernels import move_grads_, moved
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 SAVED_KEY = "gradscaler_master_weights"
@@ -90,6 +91,7 @@ class Binding:
     pairs: list[Pair] = field(default_factory=list)
     by_master: dict[int, Pair] = field(default_factory=dict)
     gathered: bool = False
+    unscaled: bool = False
     hooks: list[Any] = field(default_factory=list)
 
 
@@ -160,25 +162,56 @@ class MasterWeights:
         binding = self._bindings.get(optimizer)
         return [] if binding is None else [(pair.low, pair.master) for pair in binding.pairs]
 
-    def gather(self, optimizer: torch.optim.Optimizer) -> None:
+    def gather(
+        self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor | None = None
+    ) -> dict[torch.device, torch.Tensor]:
         """Bind ``optimizer`` (first contact, or new low-precision parameters) and, once per iteration,
-        set each master's gradient to its parameter's gradient in float32 (still scaled)."""
+        set each master's gradient to its parameter's gradient in float32, times ``inv_scale`` when
+        given (then also returned: the non-finite flag per device; see ``others``). One pass over the
+        gradients (``kernels.move_grads_``) for dense ones; DTensor, sparse and strided ones are copied
+        and unscaled by torch's ops."""
         binding = self._bind(optimizer)
         if binding.gathered:
-            return
+            return {}
+        flags: dict[torch.device, list[torch.Tensor]] = {}
+        batches: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         with torch.no_grad():
             for pair in binding.pairs:
-                low = pair.low
+                low, master = pair.low, pair.master
                 if low._version != pair.low_version:  # someone wrote the parameter (a model load, an edit)
                     self._refresh(pair)
                 grad = low.grad
                 pair.grad = grad
                 if grad is None:
                     continue  # as a float32 parameter would: the master keeps what zero_grad left
-                pair.master.grad = grad.to(torch.float32, copy=True)
+                if type(grad) is torch.Tensor and grad.layout is torch.strided and grad.is_contiguous():
+                    out = master.grad
+                    if out is None or type(out) is not torch.Tensor or not out.is_contiguous():
+                        out = master.grad = torch.empty(grad.shape, dtype=torch.float32, device=grad.device)
+                    src, dst = batches.setdefault((grad.device, grad.dtype), ([], []))
+                    src.append(grad)
+                    dst.append(out)
+                else:
+                    master.grad = grad.to(torch.float32, copy=True)
+                    if inv_scale is not None:
+                        flag = torch.zeros((), dtype=torch.float32, device=grad.device)
+                        inv = moved(inv_scale, grad.device, torch.float32)
+                        torch._amp_foreach_non_finite_check_and_unscale_([checkable_view(master.grad)], flag, inv)
+                        flags.setdefault(grad.device, []).append(flag)
                 pair.grad_version = grad._version
-                _MOVED[low] = pair.master
+                _MOVED[low] = master
+            for (device, _), (src, dst) in batches.items():
+                flags.setdefault(device, []).append(move_grads_(src, dst, inv_scale))
         binding.gathered = True
+        binding.unscaled = inv_scale is not None
+        return {device: combine_flags(found) for device, found in flags.items()} if binding.unscaled else {}
+
+    def others(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``params`` without the masters whose gradients ``gather`` already unscaled this iteration."""
+        binding = self._bindings.get(optimizer)
+        if binding is None or not binding.unscaled:
+            return params
+        return [p for p in params if id(p) not in binding.by_master]
 
     def check_untouched(self, optimizer: torch.optim.Optimizer) -> None:
         """Refuse (``ValueError`` with the fix) when a moved low-precision gradient was written since."""
@@ -206,13 +239,13 @@ class MasterWeights:
                     pair.low.grad = None
                     pair.grad = None
                 _MOVED.pop(pair.low, None)
-        binding.gathered = False
+        binding.gathered = binding.unscaled = False
 
     def restart(self, optimizer: torch.optim.Optimizer) -> None:
         """Forget this iteration's move: the next ``gather`` copies the untouched gradients again."""
         binding = self._bindings.get(optimizer)
         if binding is not None:
-            binding.gathered = False
+            binding.gathered = binding.unscaled = False
             for pair in binding.pairs:
                 _MOVED.pop(pair.low, None)
 
@@ -324,7 +357,7 @@ def _load_masters(binding: Binding) -> Callable[[torch.optim.Optimizer], None]:
                     pair.master.copy_(value)
                     pair.low.copy_(pair.master)
                     pair.low_version = pair.low._version
-        binding.gathered = False
+        binding.gathered = binding.unscaled = False
 
     return hook
 

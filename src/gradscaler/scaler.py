@@ -201,11 +201,16 @@ class GradScaler(torch.amp.GradScaler):
         self._check_scale_growth_tracker("unscale_")
         record = self._per_optimizer_states[id(optimizer)]
         self._check_stage(record, "unscale_()")
-        if self._masters is not None:
-            self._masters.gather(optimizer)
         inv_scale = self._inv_scale()
-        params = self._params(optimizer)
-        per_device = grads.unscale_and_check_(grads.group_grads(params, allow_fp16=False), inv_scale)
+        moved: dict[torch.device, torch.Tensor] = {}
+        if self._masters is not None:  # the masters' gradients: moved and unscaled in one pass
+            moved = self._masters.gather(optimizer, inv_scale)
+        params = others = self._params(optimizer)
+        if self._masters is not None:
+            others = self._masters.others(optimizer, params)
+        per_device = grads.unscale_and_check_(grads.group_grads(others, allow_fp16=False), inv_scale)
+        for device, flag in moved.items():
+            per_device[device] = grads.combine_flags([flag, per_device[device]]) if device in per_device else flag
         self._record_found_inf(optimizer, record, per_device, self._agreement_group(params))
         record["grads_factor"] = inv_scale
         record["stage"] = OptState.UNSCALED
@@ -279,15 +284,17 @@ class GradScaler(torch.amp.GradScaler):
         if record["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
         try:
-            if self._masters is not None:
-                self._masters.gather(optimizer)
-                self._masters.check_untouched(optimizer)
             stepped = True  # a fused optimizer skips inside: its masters are unchanged and copy back as they were
             if fused.supports_amp_scaling(optimizer):
+                if self._masters is not None:
+                    self._masters.gather(optimizer)
+                    self._masters.check_untouched(optimizer)
                 retval = self._fused_step(optimizer, record, args, kwargs)
             else:
                 if record["stage"] is OptState.READY:
                     self.unscale_(optimizer)
+                if self._masters is not None:
+                    self._masters.check_untouched(optimizer)
                 stepped = not record["found_inf"].item()
                 retval = optimizer.step(*args, **kwargs) if stepped else None
         except BaseException:
