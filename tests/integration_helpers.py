@@ -7,10 +7,11 @@ and once with ``gradscaler.GradScaler("cpu", ...)``, and compares the records bi
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -144,3 +145,15 @@ def grad_norm(model: nn.Module) -> torch.Tensor:
     """The 2-norm of the gradients as they are now (a read only: instrumentation, not training)."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state() -> Iterator[None]:
+    """Accelerate keeps process-wide singletons: each test starts and ends with them reset."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()

@@ -29,6 +29,7 @@ LAYERS: dict[str, int] = {
     "monitor": 2,
     "checkpoint": 2,
     "diagnosis": 2,
+    "masters": 2,
     "scaler": 3,
     "drop_in": 4,
     "frameworks": 4,

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from gradscaler import masters
 from gradscaler.scaler import GradScaler
 
 __all__ = ["CpuAmpGradScaler", "CudaAmpGradScaler", "TorchPatch", "is_torch_patched", "patch_torch", "unpatch_torch"]
@@ -101,6 +102,32 @@ _SUBCLASSING_MODULES = ("torch.distributed.fsdp.sharded_grad_scaler",)
 
 _lock = threading.Lock()
 _originals: dict[tuple[str, str], Any] | None = None
+_installed: dict[tuple[str, str], Any] = {}
+
+
+def _with_master_weights(base: type) -> type:
+    """``base`` building its scalers with ``master_weights=True`` unless told otherwise."""
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("master_weights", True)
+        super(variant, self).__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+    variant = type(base.__name__, (base,), {"__init__": __init__, "__doc__": base.__doc__, "__module__": __name__})
+    return variant
+
+
+_MASTER_VARIANTS: dict[type, type] = {
+    cls: _with_master_weights(cls) for cls in (GradScaler, CudaAmpGradScaler, CpuAmpGradScaler)
+}
+_torch_clip_grad_norm_ = torch.nn.utils.clip_grad_norm_
+
+
+def clip_grad_norm_(parameters: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` while ``patch_torch(master_weights=True)`` is in effect: float16
+    parameters whose gradients the scaler moved to float32 masters are clipped through those masters
+    (``scaler.unscale_(opt); torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` as in nanoGPT,
+    Accelerate and the HF Trainer)."""
+    return _torch_clip_grad_norm_(masters.stand_ins(parameters), *args, **kwargs)
 
 
 def _rebuild_torch_scaler(module_name: str, name: str, state: dict[str, Any]) -> Any:
@@ -165,7 +192,7 @@ class TorchPatch:
         self.undo()
 
 
-def patch_torch() -> TorchPatch:
+def patch_torch(*, master_weights: bool = False) -> TorchPatch:
     """Make ``torch.amp.GradScaler`` and its other spellings build gradscaler's scaler, until undone.
 
     ``torch.amp.GradScaler``, ``torch.amp.grad_scaler.GradScaler`` and ``torch.GradScaler`` become
@@ -174,19 +201,34 @@ def patch_torch() -> TorchPatch:
     (torch's device-less constructors and deprecation warnings). Returns a :class:`TorchPatch`; use it
     as a context manager, or call :func:`unpatch_torch`. Idempotent: a second call changes nothing and
     returns a handle whose exit changes nothing. Affects scalers built after the call only.
+
+    ``master_weights=True``: the scalers built default to ``master_weights=True`` (float16 models train
+    through float32 masters), and ``torch.nn.utils.clip_grad_norm_`` clips the masters' gradients in
+    place of the float16 parameters' (see :func:`clip_grad_norm_`).
     """
     global _originals
     with _lock:
         if _originals is not None:
+            if (("torch.nn.utils", "clip_grad_norm_") in _originals) != master_weights:
+                raise ValueError(
+                    f"patch_torch(master_weights={master_weights}): torch is already patched with "
+                    f"master_weights={not master_weights}. Call gradscaler.unpatch_torch() first."
+                )
             return TorchPatch(None)
         for name in _SUBCLASSING_MODULES:
             if torch.distributed.is_available():
                 importlib.import_module(name)
         originals: dict[tuple[str, str], Any] = {}
-        for module, module_name, attr, replacement in _spellings():
+        targets: list[tuple[Any, str, str, Any]] = list(_spellings())
+        if master_weights:
+            targets = [(m, name, attr, _MASTER_VARIANTS[cls]) for m, name, attr, cls in targets]
+            targets.append((torch.nn.utils, "torch.nn.utils", "clip_grad_norm_", clip_grad_norm_))
+        for module, module_name, attr, replacement in targets:
             originals[(module_name, attr)] = getattr(module, attr)
             setattr(module, attr, replacement)
-            copyreg.pickle(originals[(module_name, attr)], _reduce_torch_scaler)
+            if isinstance(originals[(module_name, attr)], type):  # a scaler class, not clip_grad_norm_
+                copyreg.pickle(originals[(module_name, attr)], _reduce_torch_scaler)
+            _installed[(module_name, attr)] = replacement
         _originals = originals
         return TorchPatch(originals)
 
@@ -205,12 +247,11 @@ def _unpatch_locked() -> None:
     global _originals
     if _originals is None:
         return
-    replacements = {(module_name, attr): replacement for module_name, attr, replacement in _SPELLINGS}
     for (module_name, attr), original in _originals.items():
         if copyreg.dispatch_table.get(original) is _reduce_torch_scaler:
             del copyreg.dispatch_table[original]
         module = importlib.import_module(module_name)
-        if getattr(module, attr) is replacements[(module_name, attr)]:
+        if getattr(module, attr) is _installed.pop((module_name, attr), None):
             setattr(module, attr, original)
         else:
             warnings.warn(

@@ -37,8 +37,8 @@ def new_groups() -> GradGroups:
 FP16_GRADS_MESSAGE = (
     "Attempting to unscale FP16 gradients. The parameters themselves are float16, so their gradients "
     "are too, and unscaling them in float16 loses the small values loss scaling exists to keep. Keep "
-    "the parameters in float32 and let torch.autocast run the forward pass in float16, or use a fused "
-    "optimizer (fused=True), whose step the scaler does not need to unscale for."
+    "the parameters in float32 and let torch.autocast run the forward pass in float16, or keep them in "
+    "float16 and train them through float32 master weights: GradScaler(..., master_weights=True)."
 )
 
 

@@ -16,7 +16,7 @@ from typing import Any, TypedDict
 import torch
 from torch.amp.grad_scaler import OptState
 
-from gradscaler import checkpoint, clipping, distributed, fused, grads, kernels, rule, stale
+from gradscaler import checkpoint, clipping, distributed, fused, grads, kernels, masters, rule, stale
 from gradscaler.monitor import Monitor
 from gradscaler.telemetry import COUNTERS, Keeper, make_telemetry
 
@@ -104,6 +104,8 @@ class GradScaler(torch.amp.GradScaler):
             ``on_collapse`` acts (``None`` never acts).
         on_collapse: ``"raise"`` a ``ScaleCollapseError`` or ``"warn"`` with ``ScaleCollapseWarning``.
         history: length of the on-device ring of past scales and skip flags.
+        master_weights: train float16/bfloat16 parameters through float32 masters the optimizer steps
+            (``gradscaler.masters``; docs/migration.md). False keeps torch's ``ValueError``.
     """
 
     # torch's class whose name this class stands for under ``patch_torch()`` (see ``__setstate__``).
@@ -126,6 +128,7 @@ class GradScaler(torch.amp.GradScaler):
         collapse_patience: int | None = 50,
         on_collapse: str = "raise",
         history: int = 1024,
+        master_weights: bool = False,
     ) -> None:
         self._device = device
         self._enabled = enabled
@@ -154,6 +157,7 @@ class GradScaler(torch.amp.GradScaler):
         self._init_hysteresis_tracker = self._rule.hysteresis
         self._init_counters = [0] * len(COUNTERS)
         self._process_group = process_group
+        self._masters = masters.MasterWeights() if master_weights else None
         self._scale: torch.Tensor | None = None
         self._growth_tracker: torch.Tensor | None = None
         self._hysteresis_tracker: torch.Tensor | None = None
@@ -214,10 +218,16 @@ class GradScaler(torch.amp.GradScaler):
         params = self._params(optimizer)
         agreement = self._agreement(optimizer, params)  # before any gradient is touched: a refusal changes nothing
         inv_scale = self._inv_scale()
+        moved: dict[torch.device, torch.Tensor] = {}
+        if self._masters is not None:  # the masters' gradients: moved and unscaled in one pass
+            moved = self._masters.gather(optimizer, inv_scale)
+            params = self._masters.others(optimizer, self._params(optimizer))
         if self._custom_unscale:  # torch's hook, as torch's unscale_ calls it
             per_device = self._unscale_grads_(optimizer, inv_scale, torch.zeros_like(inv_scale), False)
         else:
             per_device = grads.unscale_and_check_(grads.group_grads(params, allow_fp16=False), inv_scale)
+        for device, flag in moved.items():
+            per_device[device] = grads.combine_flags([flag, per_device[device]]) if device in per_device else flag
         self._record_found_inf(optimizer, record, per_device, agreement)
         record["stage"] = OptState.UNSCALED
 
@@ -241,6 +251,8 @@ class GradScaler(torch.amp.GradScaler):
         self._check_stage(record, "clip_grad_norm_()", allow_unscaled=True)
         if record.get("clipped"):
             raise RuntimeError("clip_grad_norm_() has already been called on this optimizer since the last update().")
+        if self._masters is not None:
+            self._masters.gather(optimizer)
         if self._custom_unscale and record["stage"] is OptState.READY:
             self.unscale_(optimizer)  # the subclass's unscaling hook sees every gradient, as with unscale_ + clip
         unscaled = record["stage"] is OptState.UNSCALED
@@ -276,6 +288,8 @@ class GradScaler(torch.amp.GradScaler):
         are refused.
         """
         if not self._enabled:
+            if self._masters is not None:
+                masters.refuse_low_precision(optimizer)
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs or (args and callable(args[0])):
             raise RuntimeError(_CLOSURE_MESSAGE)
@@ -283,15 +297,25 @@ class GradScaler(torch.amp.GradScaler):
         record = self._record(optimizer)
         if record["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
+        stepped = True  # a fused optimizer skips inside: its masters are unchanged and copy back as they were
         if fused.supports_amp_scaling(optimizer):
+            if self._masters is not None:
+                self._masters.gather(optimizer)
+                self._masters.check_untouched(optimizer)
             retval = self._fused_step(optimizer, record, args, kwargs)
         else:
             if record["stage"] is OptState.READY:
                 self.unscale_(optimizer)
+            if self._masters is not None:
+                self._masters.check_untouched(optimizer)
             if self._custom_opt_step:
                 retval = self._maybe_opt_step(optimizer, record, *args, **kwargs)  # type: ignore[arg-type]
+                stepped = self._masters is None or not record["found_inf"].item()
             else:
-                retval = None if record["found_inf"].item() else optimizer.step(*args, **kwargs)
+                stepped = not record["found_inf"].item()
+                retval = optimizer.step(*args, **kwargs) if stepped else None
+        if self._masters is not None:
+            self._masters.finish(optimizer, stepped)
         record["stage"] = OptState.STEPPED
         return retval
 
@@ -460,6 +484,11 @@ class GradScaler(torch.amp.GradScaler):
         """Tell the scaler parameter names for overflow reports: a module or ``named_parameters()``."""
         self._monitor.name_parameters(named.named_parameters() if isinstance(named, torch.nn.Module) else named)
 
+    def master_weights(self, optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(low-precision parameter, float32 master) for each master ``optimizer`` steps (``master_weights=True``;
+        empty before the first ``unscale_``/``step`` of ``optimizer`` or without masters)."""
+        return [] if self._masters is None else self._masters.masters(optimizer)
+
     def state_dict(self) -> dict[str, Any]:
         """torch's five entries plus this scaler's policy, trackers and counters; plain Python values."""
         if not self._enabled:
@@ -587,6 +616,8 @@ class GradScaler(torch.amp.GradScaler):
         seen = record.pop("grads_seen", None)  # checked once: our own clipping may write the gradients next
         if seen is not None and seen.changed(self._params(optimizer)):
             record = self._per_optimizer_states[id(optimizer)] = _refresh_per_optimizer_state()
+            if self._masters is not None:  # the new gradients are moved into the masters afresh
+                self._masters.restart(optimizer)
         return record
 
     def _watch_unscaled(self) -> None:

@@ -1,6 +1,8 @@
-"""One read pass over a list of same-device, same-dtype gradients: the non-finite flag and norms.
+"""Passes over lists of same-device, same-dtype gradients.
 
-``grad_stats`` is the only entry point. On CUDA with Triton installed it runs the multi-tensor Triton
+``grad_stats``: one read pass giving the non-finite flag and norms. ``move_grads_``: one pass that
+widens float16/bfloat16 gradients into float32 ones times ``inv_scale`` (master weights), with the flag.
+For ``grad_stats``: on CUDA with Triton installed it runs the multi-tensor Triton
 kernel (two launches for any number of tensors); elsewhere the torch implementation, which picks the
 fastest read-only torch op per norm type. ``GRADSCALER_KERNEL=torch`` forces the torch path,
 ``GRADSCALER_KERNEL=triton`` forces Triton (on the CPU too, under ``TRITON_INTERPRET=1``), and
@@ -75,3 +77,27 @@ def grad_stats(grads: list[torch.Tensor], norm_type: float | None, inv_scale: to
     from gradscaler.kernels import torch_stats
 
     return torch_stats.grad_stats(grads, norm_type, inv_scale, host=host_reads_free(device, choice))
+
+
+def move_grads_(src: list[torch.Tensor], dst: list[torch.Tensor], inv_scale: torch.Tensor | None) -> torch.Tensor:
+    """``dst[i] = src[i].float() * inv_scale`` (torch's unscale rounding; None: no multiply) and the flag.
+
+    ``src``: same-device, same-dtype (float16 or bfloat16) dense contiguous tensors; ``dst``: float32
+    tensors of the same shapes, contiguous, on that device. Returns a 0-d float32 flag, 1.0 when any
+    value of ``src`` is inf or NaN. On CUDA with Triton (or ``GRADSCALER_KERNEL=triton``) one pass (2
+    bytes read, 4 written per value); elsewhere torch's copy and check-and-unscale (two passes).
+    """
+    choice = os.environ.get("GRADSCALER_KERNEL", "auto")
+    if choice == "triton" or (choice == "auto" and src[0].device.type == "cuda"):
+        from gradscaler.kernels import triton_stats
+
+        if choice == "triton" or triton_stats.AVAILABLE:
+            from gradscaler.kernels import triton_move
+
+            return triton_move.move_grads_(src, dst, inv_scale)
+    flag = torch.zeros((), dtype=torch.float32, device=src[0].device)
+    torch._foreach_copy_(dst, src)
+    if inv_scale is not None:
+        inv = moved(inv_scale, flag.device, torch.float32)
+        torch._amp_foreach_non_finite_check_and_unscale_(dst, flag, inv)
+    return flag

@@ -39,6 +39,18 @@ MODE_CHECK, MODE_SQUARES, MODE_MAX, MODE_POWER = 0, 1, 2, 3
 if AVAILABLE:
 
     @triton.jit
+    def locate(table_ptr, offsets_ptr, num_tensors, CHUNK_SIZE: tl.constexpr, TABLE_BLOCK: tl.constexpr):
+        """This program's chunk: (its tensor's index in the table, first value's offset, values in it)."""
+        pid = tl.program_id(0)
+        index = tl.arange(0, TABLE_BLOCK)
+        ends = tl.load(offsets_ptr + 1 + index, mask=index < num_tensors, other=2147483647)
+        tensor = tl.sum((ends <= pid).to(tl.int32), axis=0)
+        first = tl.load(offsets_ptr + tensor)
+        numel = tl.load(table_ptr + num_tensors + tensor)
+        base = (pid - first).to(tl.int64) * CHUNK_SIZE
+        return tensor, base, tl.minimum(numel - base, CHUNK_SIZE)
+
+    @triton.jit
     def _accumulate(raw, acc, bad, inv, p, MODE: tl.constexpr, ACC: tl.constexpr):
         """Fold one block of stored values into the running norm term and the non-finite bits.
 
@@ -85,11 +97,7 @@ if AVAILABLE:
         TABLE_BLOCK: tl.constexpr,
     ):
         pid = tl.program_id(0)
-        index = tl.arange(0, TABLE_BLOCK)
-        ends = tl.load(offsets_ptr + 1 + index, mask=index < num_tensors, other=2147483647)
-        tensor = tl.sum((ends <= pid).to(tl.int32), axis=0)
-        first = tl.load(offsets_ptr + tensor)
-        numel = tl.load(table_ptr + num_tensors + tensor)
+        tensor, base, count = locate(table_ptr, offsets_ptr, num_tensors, CHUNK_SIZE, TABLE_BLOCK)
         ptr = tl.load(table_ptr + tensor).to(tl.pointer_type(DTYPE))
         if ALIGNED:
             ptr = tl.multiple_of(ptr, 16)
@@ -97,8 +105,6 @@ if AVAILABLE:
             inv = tl.load(inv_ptr).to(ACC)
         else:
             inv = tl.full((), 1.0, ACC)
-        base = (pid - first).to(tl.int64) * CHUNK_SIZE
-        count = tl.minimum(numel - base, CHUNK_SIZE)
         full = (count // BLOCK_SIZE) * BLOCK_SIZE
         acc = tl.zeros((BLOCK_SIZE,), dtype=ACC)
         bad = tl.zeros((BLOCK_SIZE,), dtype=tl.int32)
@@ -137,7 +143,7 @@ if AVAILABLE:
             norm = tl.exp2(tl.log2(tl.sum(acc, axis=0)) / p)
         tl.store(norms_ptr + tensor, norm.to(norms_ptr.dtype.element_ty))
 
-    _TRITON_DTYPES = {
+    TRITON_DTYPES = {
         torch.float32: tl.float32,
         torch.float16: tl.float16,
         torch.bfloat16: tl.bfloat16,
@@ -191,6 +197,14 @@ def _tables(grads: list[torch.Tensor]) -> _Tables | None:
     return found
 
 
+def tables_for(tensors: list[torch.Tensor]) -> _Tables:
+    """The cached device tables for ``tensors`` outside a graph capture (``triton_move`` shares them)."""
+    found = _tables(tensors)
+    if found is None:
+        raise RuntimeError("gradscaler's Triton move kernel cannot build its tables inside a CUDA graph capture.")
+    return found
+
+
 def _mode(norm_type: float | None) -> int:
     if norm_type is None:
         return MODE_CHECK
@@ -238,7 +252,7 @@ def _launch(
         flag,
         flag if inv is None else inv,
         p,
-        DTYPE=_TRITON_DTYPES[dtype],
+        DTYPE=TRITON_DTYPES[dtype],
         ACC=acc,
         MODE=mode,
         HAS_INV=inv is not None,

@@ -388,6 +388,11 @@ def run(
     if "iteration" in sections:
         progress("bench: whole training iterations ...")
         results["iteration"] = iteration_section(device, steps, warmup)
+    if "masters" in sections:
+        from gradscaler.tools.bench_masters import masters_section
+
+        progress("bench: float16 parameters + master weights, step phase (4 rows x 2 variants) ...")
+        results["masters"] = masters_section(device, shapes, steps, warmup)
     return results
 
 
@@ -415,6 +420,10 @@ def format_tables(results: dict[str, Any]) -> str:
         "step": _step_lines,
         "iteration": _iteration_lines,
     }
+    if "masters" in results:
+        from gradscaler.tools.bench_masters import masters_lines
+
+        formatters["masters"] = masters_lines
     for section, format_section in formatters.items():
         if section in results:
             lines += format_section(results[section])

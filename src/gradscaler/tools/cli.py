@@ -7,7 +7,7 @@ import importlib.util
 import sys
 from collections.abc import Sequence
 
-SECTIONS = ("kernel", "step", "iteration", "matrix")
+SECTIONS = ("kernel", "step", "iteration", "matrix", "masters")
 DEFAULT_SECTIONS = ("kernel", "step", "iteration")
 
 
@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_sections,
         default=list(DEFAULT_SECTIONS),
         help=f"comma-separated subset of {','.join(SECTIONS)} (default: {','.join(DEFAULT_SECTIONS)}; "
-        "matrix: shapes x optimizers x clip with host time, and whole iterations at batch 1)",
+        "matrix: shapes x optimizers x clip with host time, and whole iterations at batch 1; masters: float16 "
+        "parameters with master_weights=True against the recipe by hand)",
     )
     bench.add_argument(
         "--quick", action="store_true", help="run the matrix at toy sizes (seconds; for tests and smoke runs)"

@@ -1,0 +1,64 @@
+"""``kernels.move_grads_``: float16/bfloat16 gradients into float32 ones times ``inv_scale``, with the flag.
+
+The torch route (the CPU) and the Triton kernel (interpreted on the CPU with TRITON_INTERPRET=1) must
+both equal torch's recipe bit for bit: ``g.float()`` then ``_amp_foreach_non_finite_check_and_unscale_``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gradscaler import kernels
+
+triton_stats = pytest.importorskip("gradscaler.kernels.triton_stats")
+ROUTES = ["torch", pytest.param("triton", marks=pytest.mark.skipif(not triton_stats.AVAILABLE, reason="no triton"))]
+# Chunk edges: 70_001 spans two chunks (the first full), 131_072 is exactly two, 4_096 one block.
+SHAPES = [(300, 50), (7,), (0,), (70_001,), (3, 4, 5), (131_072,), (4_096,)]
+
+
+def grads(dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(s, generator=g) * 3000).to(dtype) for s in SHAPES]
+
+
+def recipe(src: list[torch.Tensor], inv_scale: torch.Tensor | None) -> tuple[list[torch.Tensor], float]:
+    out = [s.float() for s in src]
+    flag = torch.zeros(())
+    if inv_scale is not None:
+        torch._amp_foreach_non_finite_check_and_unscale_(out, flag, inv_scale)
+    return out, float(flag)
+
+
+@pytest.fixture(params=ROUTES)
+def route(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv("GRADSCALER_KERNEL", request.param)
+    return str(request.param)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("inv", [2.0**-13, 1.0, None, 3.0], ids=["pow2", "one", "none", "three"])
+def test_equals_torchs_copy_and_unscale_bit_for_bit(route: str, dtype: torch.dtype, inv: float | None) -> None:
+    src = grads(dtype)
+    inv_scale = None if inv is None else torch.tensor(inv)
+    dst = [torch.full(s.shape, 7.0) for s in src]
+    flag = kernels.move_grads_(src, dst, inv_scale)
+    expected, expected_flag = recipe(src, inv_scale)
+    assert float(flag) == expected_flag == 0.0
+    for out, ref in zip(dst, expected, strict=True):
+        assert out.dtype == torch.float32
+        assert torch.equal(out.view(torch.int32), ref.view(torch.int32))
+
+
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan], ids=["inf", "-inf", "nan"])
+@pytest.mark.parametrize("where", [0, 3, 5], ids=["first", "two_chunks", "second_chunk_end"])
+def test_flag_catches_every_nonfinite_value(route: str, bad: float, where: int) -> None:
+    src = grads(torch.float16, seed=where)
+    src[where].view(-1)[-1] = bad
+    dst = [torch.empty(s.shape) for s in src]
+    flag = kernels.move_grads_(src, dst, torch.tensor(2.0**-10))
+    assert float(flag) == 1.0
+    last = dst[where].view(-1)[-1]
+    assert math.isnan(last) if math.isnan(bad) else last == bad
