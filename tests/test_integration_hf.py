@@ -13,7 +13,6 @@ Accelerate and of the Trainer that runs afterwards is the CUDA path's, with auto
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -33,16 +32,9 @@ from integration_helpers import (
 
 pytestmark = pytest.mark.integration
 accelerate = pytest.importorskip("accelerate")
-from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+from accelerate.state import AcceleratorState  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state() -> Iterator[None]:
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+from integration_helpers import fresh_accelerate_state  # noqa: E402, F401 (an autouse fixture: used by name)
 
 
 def gpu_path_accelerator(scaler: Any) -> Any:

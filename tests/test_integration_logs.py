@@ -21,7 +21,7 @@ accelerate = pytest.importorskip("accelerate")
 pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 
-from test_integration_hf import fresh_accelerate_state  # noqa: E402, F401 (an autouse fixture: used by name)
+from integration_helpers import fresh_accelerate_state  # noqa: E402, F401 (an autouse fixture: used by name)
 
 
 def scalars(log_dir: Path, tag: str) -> list[tuple[int, float]]:
