@@ -157,3 +157,15 @@ def fresh_accelerate_state() -> Iterator[None]:
     yield
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
+
+
+def tiny_gpt2() -> nn.Module:
+    """A 2-layer, 32-wide GPT-2 without dropout, seeded: the model the Trainer tests train."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(config)

@@ -28,6 +28,7 @@ from integration_helpers import (
     mlp,
     poison_,
     regression_batches,
+    tiny_gpt2,
 )
 
 pytestmark = pytest.mark.integration
@@ -210,14 +211,9 @@ def trainer_run(
     """``Trainer(fp16=True, optim=...)`` on a 2-layer, 32-dim GPT-2, down the CUDA fp16 path (module
     docstring): after the Trainer built its Accelerator, ``native_amp`` and the scaler are set as CUDA
     would have set them; ``train()`` prepares the model and optimizer afterwards."""
-    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    config = GPT2Config(
-        n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(config)
+    model = tiny_gpt2()
     g = torch.Generator().manual_seed(1)
     data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (steps * 2, 16), generator=g)]
     record = Record(extra={"lr": []})

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import gradscaler
-from integration_helpers import EARLY_OVERFLOW, adamw, mlp, poison_, regression_batches
+from integration_helpers import EARLY_OVERFLOW, adamw, mlp, poison_, regression_batches, tiny_gpt2
 
 pytestmark = pytest.mark.integration
 accelerate = pytest.importorskip("accelerate")
@@ -84,17 +84,12 @@ def test_trainer_scale_log_callback_reaches_report_to_tensorboard(
 ) -> None:
     """``Trainer(callbacks=[ScaleLogCallback()], report_to=["tensorboard"])``: the Trainer's own
     TensorBoard integration writes ``train/amp/scale`` and ``train/amp/skipped_steps`` at every log."""
-    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from gradscaler.frameworks import ScaleLogCallback
 
     monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
-    config = GPT2Config(
-        n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(config)
+    model = tiny_gpt2()
     g = torch.Generator().manual_seed(1)
     data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (24, 16), generator=g)]
     scaler = gradscaler.GradScaler("cpu", **EARLY_OVERFLOW)

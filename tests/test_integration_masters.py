@@ -26,6 +26,7 @@ from integration_helpers import (
     fresh_accelerate_state,  # noqa: F401 (an autouse fixture)
     mlp,
     regression_batches,
+    tiny_gpt2,
     token_batches,
 )
 
@@ -166,14 +167,9 @@ transformers = pytest.importorskip("transformers")
 
 def trainer_half_run(tmp_path: Any, steps: int = 30) -> tuple[list[float], Any]:
     """``Trainer(fp16=True)`` on a tiny GPT-2 cast to float16, its scaler built by torch's spelling."""
-    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+    from transformers import Trainer, TrainingArguments
 
-    config = GPT2Config(
-        n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(config).to(torch.float16)
+    model = tiny_gpt2().to(torch.float16)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 8, (4, 16), generator=g)  # a few sequences, repeated: the loss can fall
     data = [{"input_ids": ids[i % 4], "labels": ids[i % 4]} for i in range(steps * 2)]
