@@ -196,7 +196,7 @@ def test_global_norm_without_a_reduction_is_the_norm_of_every_tensor() -> None:
 
     cpu = torch.device("cpu")
     norms = {cpu: torch.tensor([3.0, 4.0, 12.0])}
-    owners = {cpu: {torch.float32: [torch.ones(1), torch.ones(1), torch.ones(1)]}}
+    owners = {cpu: [torch.ones(1), torch.ones(1), torch.ones(1)]}
     for agreement in (distributed.LOCAL, distributed.explicit_agreement(object())):  # no process group here
         for norm_type in (1.0, 2.0, 3.0, math.inf):
             assert torch.equal(global_norm(norms, owners, norm_type, cpu, agreement), total_norm(norms, norm_type, cpu))
@@ -225,7 +225,7 @@ def test_global_norm_reduces_each_class_over_exactly_its_groups(
     groups = (object(), object())
     agreement = distributed.Agreement(groups, ((), (0,), (0, 1)), {id(dp): 1, id(both): 2})
     norms = {cpu: torch.tensor([3.0, 4.0, 12.0, 5.0], dtype=torch.float64)}
-    owners = {cpu: {torch.float64: [both, whole, dp, whole]}}
+    owners = {cpu: [both, whole, dp, whole]}
     got = global_norm(norms, owners, norm_type, cpu, agreement)
     if math.isinf(norm_type):
         want = 12.0

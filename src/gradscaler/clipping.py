@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from gradscaler import distributed
-from gradscaler.grads import GradGroups
+from gradscaler.grads import GradGroups, Owners
 from gradscaler.kernels import moved
 
 CLIP_EPSILON = 1e-6
@@ -59,17 +59,17 @@ def _combined(norms: torch.Tensor, norm_type: float) -> torch.Tensor:
 
 def global_norm(
     norms: dict[torch.device, torch.Tensor],
-    owners: GradGroups,
+    owners: Owners,
     norm_type: float,
     device: torch.device,
     agreement: distributed.Agreement,
 ) -> torch.Tensor:
     """The norm of the gradients on every rank, as ``agreement`` says to reduce them.
 
-    ``norms[d]`` holds the norms of the gradients of ``owners[d]`` (flattened over dtypes, in that
-    order). Each class of ``agreement`` (gradients sharded over the same groups, or whole) is normed
-    locally and reduced over exactly its groups; a class this rank holds no gradient of contributes
-    0, so every rank issues the same collectives. Without a reduction: ``total_norm`` itself.
+    ``norms[d]`` holds the norms of the gradients of ``owners[d]``, in that order. Each class of
+    ``agreement`` (gradients sharded over the same groups, or whole) is normed locally and reduced
+    over exactly its groups; a class this rank holds no gradient of contributes 0, so every rank
+    issues the same collectives. Without a reduction: ``total_norm`` itself.
     """
     if not agreement.reduces():
         return total_norm(norms, norm_type, device)
@@ -79,7 +79,7 @@ def global_norm(
     else:
         by_class: list[dict[torch.device, torch.Tensor]] = [{} for _ in agreement.classes]
         for dev, device_norms in norms.items():
-            labels = agreement.class_labels([p for params in owners[dev].values() for p in params])
+            labels = agreement.class_labels(owners[dev])
             if len(set(labels)) == 1:
                 by_class[labels[0]][dev] = device_norms
                 continue

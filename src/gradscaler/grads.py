@@ -27,6 +27,8 @@ from gradscaler.distributed import Agreement
 from gradscaler.kernels import grad_stats, host_reads_free, moved
 
 GradGroups = dict[torch.device, dict[torch.dtype, list[torch.Tensor]]]
+Owners = dict[torch.device, list[torch.Tensor]]
+"""Per device, the parameters whose per-tensor results (norms, peaks) a pass returned, in their order."""
 
 
 def new_groups() -> GradGroups:
@@ -229,6 +231,21 @@ def norms_and_check(
         if parts:
             norms[device] = parts[0] if len(parts) == 1 else torch.cat(parts)
     return norms, flags
+
+
+def flat_owners(owners: GradGroups) -> Owners:
+    """``owners`` as ``group_grads`` fills it, each device's dtype lists one after another: the order of
+    the per-tensor results ``norms_and_check`` returns."""
+    return {device: [p for params in by_dtype.values() for p in params] for device, by_dtype in owners.items()}
+
+
+def merge_flags(*parts: dict[torch.device, torch.Tensor]) -> dict[torch.device, torch.Tensor]:
+    """Per-device flags of several passes combined into one flag per device."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for part in parts:
+        for device, flag in part.items():
+            by_device.setdefault(device, []).append(flag)
+    return {device: combine_flags(flags) for device, flags in by_device.items()}
 
 
 def combine_flags(flags: list[torch.Tensor]) -> torch.Tensor:

@@ -8,9 +8,12 @@ master (a copy of its value); ``optimizer.state`` is then keyed by the masters, 
 ``add_param_group`` (new low-precision parameters get masters at the next contact) and every torch
 optimizer keep working on the very object the user built. Each iteration:
 
-1. ``gather``: ``master.grad = param.grad.float()`` (still scaled; the scaler's own passes then
-   unscale, check and clip the masters' gradients exactly as they would float32 parameters'), and the
-   low-precision gradient is left in place, its version recorded;
+1. ``gather``: ``master.grad = param.grad.float() * factor`` in one pass that also gives the flag and,
+   when clipping, the norms (``Moved``): the scaler's ``1/S`` at ``unscale_``; no factor when clipping
+   (a fused optimizer takes ``S / clip_coef`` as ``grad_scale``, others get one multiply) or at a
+   fused step. The results equal the scaler's own passes over float32 parameters bit for bit. The
+   low-precision gradient is left in place, its version recorded (``check_untouched``), until
+   ``finish``, or ``release`` when ``scale()`` finds the iteration interrupted;
 2. the scaler steps the optimizer (on the masters) or skips it;
 3. ``finish``: after an applied step ``param.copy_(master)``; the low-precision gradients are set to
    None (``optimizer.zero_grad()`` now reaches only the masters, so they must not accumulate).
@@ -34,8 +37,8 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from gradscaler.grads import checkable_view, combine_flags, iter_params
-from gradscaler.kernels import move_grads_, moved
+from gradscaler import grads
+from gradscaler.kernels import GradStats, grad_stats, move_grads_, moved
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 SAVED_KEY = "gradscaler_master_weights"
@@ -91,8 +94,67 @@ class Binding:
     pairs: list[Pair] = field(default_factory=list)
     by_master: dict[int, Pair] = field(default_factory=dict)
     gathered: bool = False
-    unscaled: bool = False
     hooks: list[Any] = field(default_factory=list)
+
+
+@dataclass
+class Moved:
+    """What one ``gather`` pass found, per device: the non-finite flag of the gradients it moved, their
+    per-tensor norms (when asked) with the masters they belong to in the same order, and the masters'
+    new gradients (checkable views, by device and dtype) for a later multiply."""
+
+    flags: dict[torch.device, torch.Tensor]
+    norms: dict[torch.device, torch.Tensor]
+    owners: dict[torch.device, list[torch.Tensor]]
+    master_grads: grads.GradGroups
+
+    def add(self, owners: list[torch.Tensor], moved: list[torch.Tensor], stats: GradStats) -> None:
+        """Fold in one batch: the ``moved`` gradients of ``owners`` (one device) and their pass's stats."""
+        device = moved[0].device
+        flag = self.flags.get(device)
+        self.flags[device] = stats.nonfinite if flag is None else grads.combine_flags([flag, stats.nonfinite])
+        self.master_grads[device][torch.float32].extend(moved)
+        if stats.norms is not None:
+            before = self.norms.get(device)
+            self.norms[device] = stats.norms if before is None else torch.cat([before, stats.norms])
+        self.owners.setdefault(device, []).extend(owners)
+
+    def after(
+        self, norms: dict[torch.device, torch.Tensor], owners: grads.Owners
+    ) -> tuple[dict[torch.device, torch.Tensor], grads.Owners]:
+        """Another pass's per-device norms and their owners, followed by this pass's (one order per device)."""
+        joined_norms, joined_owners = dict(norms), dict(owners)
+        for device, mine in self.norms.items():
+            before = joined_norms.get(device)
+            joined_norms[device] = mine if before is None else torch.cat([before, mine])
+            joined_owners[device] = joined_owners.get(device, []) + self.owners[device]
+        return joined_norms, joined_owners
+
+    def rest(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``params`` without the masters whose gradients this pass moved and checked."""
+        if not self.owners:
+            return params
+        covered = {id(m) for owners in self.owners.values() for m in owners}
+        return [p for p in params if id(p) not in covered]
+
+
+NOTHING = Moved({}, {}, {}, {})
+"""What ``gather`` returns when the gradients were moved earlier this iteration: nothing covered."""
+
+
+def _copied_stats(
+    view: torch.Tensor, factor: torch.Tensor | None, norm_type: float | None, norm_inv: torch.Tensor | None
+) -> GradStats:
+    """The flag (and norm) of a copied master gradient (``view``: its checkable values), read before
+    ``factor`` multiplies it in place (torch's check-and-unscale, whose flag serves when no norm is asked)."""
+    stats = grad_stats([view], norm_type, norm_inv) if norm_type is not None or factor is None else None
+    if factor is not None:
+        flag = torch.zeros((), dtype=torch.float32, device=view.device)
+        torch._amp_foreach_non_finite_check_and_unscale_([view], flag, moved(factor, view.device, torch.float32))
+        if stats is None:
+            return GradStats(flag, None)
+    assert stats is not None  # asked for above whenever no factor gives the flag
+    return stats
 
 
 def _master_of(param: torch.Tensor, saved: torch.Tensor | None) -> torch.Tensor:
@@ -163,18 +225,24 @@ class MasterWeights:
         return [] if binding is None else [(pair.low, pair.master) for pair in binding.pairs]
 
     def gather(
-        self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor | None = None
-    ) -> dict[torch.device, torch.Tensor]:
+        self,
+        optimizer: torch.optim.Optimizer,
+        factor: torch.Tensor | None = None,
+        norm_type: float | None = None,
+        norm_inv: torch.Tensor | None = None,
+    ) -> Moved:
         """Bind ``optimizer`` (first contact, or new low-precision parameters) and, once per iteration,
-        set each master's gradient to its parameter's gradient in float32, times ``inv_scale`` when
-        given (then also returned: the non-finite flag per device; see ``others``). One pass over the
-        gradients (``kernels.move_grads_``) for dense ones; DTensor, sparse and strided ones are copied
-        and unscaled by torch's ops."""
+        set each master's gradient to its parameter's gradient in float32, times ``factor`` when given.
+
+        The same pass gives the non-finite flag of the moved gradients and, with ``norm_type``, their
+        norms times ``norm_inv``: one read of 2 bytes and one write of 4 per value for dense gradients
+        (``kernels.move_grads_``); DTensor, sparse and strided ones are copied, read and multiplied by
+        torch's ops. Returns ``NOTHING`` when this iteration's gradients were moved already."""
         binding = self._bind(optimizer)
         if binding.gathered:
-            return {}
-        flags: dict[torch.device, list[torch.Tensor]] = {}
-        batches: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+            return NOTHING
+        result = Moved({}, {}, {}, grads.new_groups())
+        batches: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], ...]] = {}
         with torch.no_grad():
             for pair in binding.pairs:
                 low, master = pair.low, pair.master
@@ -188,30 +256,20 @@ class MasterWeights:
                     out = master.grad
                     if out is None or type(out) is not torch.Tensor or not out.is_contiguous():
                         out = master.grad = torch.empty(grad.shape, dtype=torch.float32, device=grad.device)
-                    src, dst = batches.setdefault((grad.device, grad.dtype), ([], []))
+                    src, dst, owners = batches.setdefault((grad.device, grad.dtype), ([], [], []))
                     src.append(grad)
                     dst.append(out)
+                    owners.append(master)
                 else:
                     master.grad = grad.to(torch.float32, copy=True)
-                    if inv_scale is not None:
-                        flag = torch.zeros((), dtype=torch.float32, device=grad.device)
-                        inv = moved(inv_scale, grad.device, torch.float32)
-                        torch._amp_foreach_non_finite_check_and_unscale_([checkable_view(master.grad)], flag, inv)
-                        flags.setdefault(grad.device, []).append(flag)
+                    view = grads.checkable_view(master.grad)
+                    result.add([master], [view], _copied_stats(view, factor, norm_type, norm_inv))
                 pair.grad_version = grad._version
                 _MOVED[low] = master
-            for (device, _), (src, dst) in batches.items():
-                flags.setdefault(device, []).append(move_grads_(src, dst, inv_scale))
+            for src, dst, owners in batches.values():
+                result.add(owners, dst, move_grads_(src, dst, factor, norm_type, norm_inv))
         binding.gathered = True
-        binding.unscaled = inv_scale is not None
-        return {device: combine_flags(found) for device, found in flags.items()} if binding.unscaled else {}
-
-    def others(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[torch.Tensor]:
-        """``params`` without the masters whose gradients ``gather`` already unscaled this iteration."""
-        binding = self._bindings.get(optimizer)
-        if binding is None or not binding.unscaled:
-            return params
-        return [p for p in params if id(p) not in binding.by_master]
+        return result
 
     def check_untouched(self, optimizer: torch.optim.Optimizer) -> None:
         """Refuse (``ValueError`` with the fix) when a moved low-precision gradient was written since."""
@@ -239,13 +297,30 @@ class MasterWeights:
                     pair.low.grad = None
                     pair.grad = None
                 _MOVED.pop(pair.low, None)
-        binding.gathered = binding.unscaled = False
+        binding.gathered = False
+
+    def lows(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        """The low-precision parameters of ``optimizer``'s masters (their gradients tell a new backward)."""
+        binding = self._bindings.get(optimizer)
+        return [] if binding is None else [pair.low for pair in binding.pairs]
+
+    def release(self, optimizer: torch.optim.Optimizer) -> None:
+        """Drop the low-precision gradients kept since this iteration's move (their values are in the
+        masters): after an interrupted iteration, the next backward writes fresh ones instead of adding
+        to them, as it would to a float32 parameter's gradient that ``zero_grad`` cleared."""
+        binding = self._bindings.get(optimizer)
+        if binding is None or not binding.gathered:
+            return
+        for pair in binding.pairs:
+            if pair.grad is not None and pair.low.grad is pair.grad and pair.low.grad._version == pair.grad_version:
+                pair.low.grad = None
+            pair.grad = None
 
     def restart(self, optimizer: torch.optim.Optimizer) -> None:
         """Forget this iteration's move: the next ``gather`` copies the untouched gradients again."""
         binding = self._bindings.get(optimizer)
         if binding is not None:
-            binding.gathered = binding.unscaled = False
+            binding.gathered = False
             for pair in binding.pairs:
                 _MOVED.pop(pair.low, None)
 
@@ -269,7 +344,7 @@ class MasterWeights:
         fresh = binding is None
         if binding is None:
             binding = Binding()
-        elif not any(needs_master(p) and id(p) not in binding.by_master for p in iter_params(optimizer)):
+        elif not any(needs_master(p) and id(p) not in binding.by_master for p in grads.iter_params(optimizer)):
             return binding  # the common case: nothing new since the last contact
         self._check_params(optimizer, binding)
         with torch.no_grad():
@@ -357,7 +432,7 @@ def _load_masters(binding: Binding) -> Callable[[torch.optim.Optimizer], None]:
                     pair.master.copy_(value)
                     pair.low.copy_(pair.master)
                     pair.low_version = pair.low._version
-        binding.gathered = binding.unscaled = False
+        binding.gathered = False
 
     return hook
 

@@ -119,25 +119,26 @@ class Monitor:
     def clipped(
         self,
         optimizer: torch.optim.Optimizer,
-        owners: grads.GradGroups,
+        owners: grads.Owners,
         norms: dict[torch.device, torch.Tensor],
         total: torch.Tensor,
     ) -> None:
-        """Keep a clipping pass's per-tensor norms (``owners`` as ``grads.group_grads`` fills it) and total."""
+        """Keep a clipping pass's per-tensor norms (of ``owners``' gradients, in that order) and total."""
         self.grad_norms[optimizer] = self._reads[id(optimizer)] = _per_device(owners, norms)
         self._norm = total
 
     def nonfinite_flags(
-        self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor]
+        self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor], complete: bool = True
     ) -> dict[torch.device, torch.Tensor]:
         """``grads.nonfinite_flags`` of ``params``' gradients (read only). With a logger on the device
-        path it runs as an inf-norm pass, the same one read, whose per-tensor results are kept."""
-        owners = grads.new_groups() if self.loggers else None
+        path it runs as an inf-norm pass, the same one read, whose per-tensor results are kept when
+        ``params`` are all of ``optimizer``'s (``complete``; else a logged update reads them all)."""
+        owners = grads.new_groups() if self.loggers and complete else None
         groups = grads.group_grads(params, allow_fp16=True, owners=owners)
         if owners is None or all(map(host_reads_free, groups)):
             return grads.nonfinite_flags(groups)
         peaks, flags = grads.norms_and_check(groups, math.inf)
-        self._reads[id(optimizer)] = _per_device(owners, peaks)
+        self._reads[id(optimizer)] = _per_device(grads.flat_owners(owners), peaks)
         return flags
 
     def record_update(
@@ -186,7 +187,7 @@ class Monitor:
         non-finite still is)."""
         owners = grads.new_groups()
         groups = grads.group_grads(list(grads.iter_params(optimizer)), allow_fp16=True, owners=owners)
-        return _per_device(owners, grads.norms_and_check(groups, math.inf)[0])
+        return _per_device(grads.flat_owners(owners), grads.norms_and_check(groups, math.inf)[0])
 
     def after_update(self, landed: list[Landed]) -> None:
         """Feed loggers and detect collapse from records that have landed on the host, oldest first (no sync).
@@ -308,9 +309,9 @@ class Monitor:
         return new
 
 
-def _per_device(owners: grads.GradGroups, results: dict[torch.device, torch.Tensor]) -> list[NormRecord]:
-    """Per-device per-tensor ``results`` with the parameters they belong to (``owners`` of ``group_grads``)."""
-    return [([p for params in owners[device].values() for p in params], r) for device, r in results.items()]
+def _per_device(owners: grads.Owners, results: dict[torch.device, torch.Tensor]) -> list[NormRecord]:
+    """Per-device per-tensor ``results`` with the parameters they belong to, in the same order."""
+    return [(owners[device], r) for device, r in results.items()]
 
 
 def policy_record(rule: ScaleRule) -> dict[str, Any]:

@@ -218,16 +218,14 @@ class GradScaler(torch.amp.GradScaler):
         params = self._params(optimizer)
         agreement = self._agreement(optimizer, params)  # before any gradient is touched: a refusal changes nothing
         inv_scale = self._inv_scale()
-        moved: dict[torch.device, torch.Tensor] = {}
-        if self._masters is not None:  # the masters' gradients: moved and unscaled in one pass
-            moved = self._masters.gather(optimizer, inv_scale)
-            params = self._masters.others(optimizer, self._params(optimizer))
-        if self._custom_unscale:  # torch's hook, as torch's unscale_ calls it
+        moved = masters.NOTHING
+        if self._masters is not None:  # the masters' gradients: moved, checked (and unscaled) in one pass
+            moved = self._masters.gather(optimizer, None if self._custom_unscale else inv_scale)
+        if self._custom_unscale:  # torch's hook, as torch's unscale_ calls it: every gradient, the masters' too
             per_device = self._unscale_grads_(optimizer, inv_scale, torch.zeros_like(inv_scale), False)
         else:
-            per_device = grads.unscale_and_check_(grads.group_grads(params, allow_fp16=False), inv_scale)
-        for device, flag in moved.items():
-            per_device[device] = grads.combine_flags([flag, per_device[device]]) if device in per_device else flag
+            groups = grads.group_grads(moved.rest(self._params(optimizer)), allow_fp16=False)
+            per_device = grads.merge_flags(grads.unscale_and_check_(groups, inv_scale), moved.flags)
         self._record_found_inf(optimizer, record, per_device, agreement)
         record["stage"] = OptState.UNSCALED
 
@@ -251,27 +249,32 @@ class GradScaler(torch.amp.GradScaler):
         self._check_stage(record, "clip_grad_norm_()", allow_unscaled=True)
         if record.get("clipped"):
             raise RuntimeError("clip_grad_norm_() has already been called on this optimizer since the last update().")
-        if self._masters is not None:
-            self._masters.gather(optimizer)
         if self._custom_unscale and record["stage"] is OptState.READY:
             self.unscale_(optimizer)  # the subclass's unscaling hook sees every gradient, as with unscale_ + clip
         unscaled = record["stage"] is OptState.UNSCALED
         hand_off = fused.supports_amp_scaling(optimizer) and not fused.takes_grad_scaler_kwarg(optimizer)
-        owners = grads.new_groups()
         params = self._params(optimizer)
         agreement = self._agreement(optimizer, params)
-        groups = grads.group_grads(params, allow_fp16=hand_off and not unscaled, owners=owners)
         inv_scale = None if unscaled else self._inv_scale()
+        moved = masters.NOTHING  # the masters' gradients: moved, checked and normed in one pass
+        if self._masters is not None:
+            moved = self._masters.gather(optimizer, None, norm_type, inv_scale)
+            params = moved.rest(self._params(optimizer))
+        owners = grads.new_groups()
+        groups = grads.group_grads(params, allow_fp16=hand_off and not unscaled, owners=owners)
         norms, flags = grads.norms_and_check(groups, norm_type, inv_scale)  # norms of the unscaled gradients
+        norms, by_device = moved.after(norms, grads.flat_owners(owners))
         if not unscaled:
-            self._record_found_inf(optimizer, record, flags, agreement)
-        total = clipping.global_norm(norms, owners, norm_type, scale.device, agreement)
-        self._monitor.clipped(optimizer, owners, norms, total)
+            self._record_found_inf(optimizer, record, grads.merge_flags(flags, moved.flags), agreement)
+        total = clipping.global_norm(norms, by_device, norm_type, scale.device, agreement)
+        self._monitor.clipped(optimizer, by_device, norms, total)
         coef = clipping.clip_coefficient(total, max_norm, on_host=self._scale_on_host)
         if hand_off and not unscaled:
             record["grad_scale"] = (scale / coef * getattr(optimizer, "grad_scale", 1)).float()
         else:
-            clipping.scale_grads_(groups, coef if inv_scale is None else coef * inv_scale)
+            factor = coef if inv_scale is None else coef * inv_scale
+            clipping.scale_grads_(groups, factor)
+            clipping.scale_grads_(moved.master_grads, factor)
         record["stage"] = OptState.UNSCALED
         record["clipped"] = True
         return total
@@ -299,8 +302,7 @@ class GradScaler(torch.amp.GradScaler):
             raise RuntimeError("step() has already been called since the last update().")
         stepped = True  # a fused optimizer skips inside: its masters are unchanged and copy back as they were
         if fused.supports_amp_scaling(optimizer):
-            if self._masters is not None:
-                self._masters.gather(optimizer)
+            if self._masters is not None:  # moved at the check (``_check_inf_per_device``) unless moved already
                 self._masters.check_untouched(optimizer)
             retval = self._fused_step(optimizer, record, args, kwargs)
         else:
@@ -324,6 +326,8 @@ class GradScaler(torch.amp.GradScaler):
     ) -> Any:
         if fused.takes_grad_scaler_kwarg(optimizer):
             fused.warn_legacy_kwarg()
+            if self._masters is not None:
+                self._masters.gather(optimizer)
             return optimizer.step(*args, **kwargs, grad_scaler=self)  # type: ignore[call-overload]
         if record["stage"] is OptState.READY:
             self._check_inf_per_device(optimizer)
@@ -614,7 +618,7 @@ class GradScaler(torch.amp.GradScaler):
         """``optimizer``'s record of this iteration; a fresh one when a new backward made it stale."""
         record = self._per_optimizer_states[id(optimizer)]
         seen = record.pop("grads_seen", None)  # checked once: our own clipping may write the gradients next
-        if seen is not None and seen.changed(self._params(optimizer)):
+        if seen is not None and seen.changed(self._watched(optimizer)):
             record = self._per_optimizer_states[id(optimizer)] = _refresh_per_optimizer_state()
             if self._masters is not None:  # the new gradients are moved into the masters afresh
                 self._masters.restart(optimizer)
@@ -625,7 +629,15 @@ class GradScaler(torch.amp.GradScaler):
         for record in self._per_optimizer_states.values():
             optimizer = record["optimizer"]() if "optimizer" in record else None
             if record["stage"] is OptState.UNSCALED and "grads_seen" not in record and optimizer is not None:
-                record["grads_seen"] = stale.GradSnapshot(self._params(optimizer))
+                if self._masters is not None:  # the new backward must not add to the moved float16 gradients
+                    self._masters.release(optimizer)
+                record["grads_seen"] = stale.GradSnapshot(self._watched(optimizer))
+
+    def _watched(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        """The parameters whose gradients a new backward (or ``zero_grad``) changes: the optimizer's, and
+        with masters the low-precision parameters the backward writes."""
+        params = self._params(optimizer)
+        return params if self._masters is None else params + self._masters.lows(optimizer)
 
     # torch's private surface, with torch's meaning: Accelerate, Lightning, timm, FSDP's
     # ShardedGradScaler and torch's own tests read or call these names.
@@ -707,11 +719,13 @@ class GradScaler(torch.amp.GradScaler):
         record = self._per_optimizer_states[id(optimizer)]
         params = self._params(optimizer)
         agreement = self._agreement(optimizer, params)
-        if self._custom_unscale:  # torch's hook with inv_scale 1, as torch calls it
+        moved = masters.NOTHING if self._masters is None else self._masters.gather(optimizer)  # flags in the move
+        if self._custom_unscale:  # torch's hook with inv_scale 1, as torch calls it: every gradient
             ones = torch.ones((), dtype=torch.float32, device=self._scale.device)  # type: ignore[union-attr]
             flags = self._unscale_grads_(optimizer, ones, torch.zeros_like(ones), True)
-        else:
-            flags = self._monitor.nonfinite_flags(optimizer, params)  # grads.nonfinite_flags, kept for attribution
+        else:  # grads.nonfinite_flags, kept for attribution
+            rest = moved.rest(self._params(optimizer))
+            flags = grads.merge_flags(self._monitor.nonfinite_flags(optimizer, rest, not moved.owners), moved.flags)
         self._record_found_inf(optimizer, record, flags, agreement)
         return record["found_inf_per_device"]
 

@@ -1,7 +1,8 @@
 """Passes over lists of same-device, same-dtype gradients.
 
 ``grad_stats``: one read pass giving the non-finite flag and norms. ``move_grads_``: one pass that
-widens float16/bfloat16 gradients into float32 ones times ``inv_scale`` (master weights), with the flag.
+widens float16/bfloat16 gradients into float32 ones times a factor (master weights), with the flag and
+norms of the same read.
 For ``grad_stats``: on CUDA with Triton installed it runs the multi-tensor Triton
 kernel (two launches for any number of tensors); elsewhere the torch implementation, which picks the
 fastest read-only torch op per norm type. ``GRADSCALER_KERNEL=torch`` forces the torch path,
@@ -79,13 +80,24 @@ def grad_stats(grads: list[torch.Tensor], norm_type: float | None, inv_scale: to
     return torch_stats.grad_stats(grads, norm_type, inv_scale, host=host_reads_free(device, choice))
 
 
-def move_grads_(src: list[torch.Tensor], dst: list[torch.Tensor], inv_scale: torch.Tensor | None) -> torch.Tensor:
-    """``dst[i] = src[i].float() * inv_scale`` (torch's unscale rounding; None: no multiply) and the flag.
+def move_grads_(
+    src: list[torch.Tensor],
+    dst: list[torch.Tensor],
+    factor: torch.Tensor | None,
+    norm_type: float | None = None,
+    norm_inv: torch.Tensor | None = None,
+) -> GradStats:
+    """``dst[i] = src[i].float() * factor`` (torch's unscale rounding; None: no multiply), and from the
+    same read the non-finite flag of ``src`` and, when ``norm_type`` is given, the per-tensor norms of
+    ``src[i] * norm_inv`` (as ``grad_stats`` gives them: exact flag, no overflow before the multiply).
 
     ``src``: same-device, same-dtype (float16 or bfloat16) dense contiguous tensors; ``dst``: float32
-    tensors of the same shapes, contiguous, on that device. Returns a 0-d float32 flag, 1.0 when any
-    value of ``src`` is inf or NaN. On CUDA with Triton (or ``GRADSCALER_KERNEL=triton``) one pass (2
-    bytes read, 4 written per value); elsewhere torch's copy and check-and-unscale (two passes).
+    tensors of the same shapes, contiguous, on that device. On CUDA with Triton (or
+    ``GRADSCALER_KERNEL=triton``) one pass: 2 bytes read and 4 written per value, the flag and the
+    norm terms folded in on the way. Elsewhere torch's ops: the copy, ``grad_stats`` over the float32
+    copies when norms are asked (or no ``factor`` gives the flag), then check-and-unscale. Either way
+    the norms equal, bit for bit, those ``grad_stats`` gives for ``[s.float() for s in src]`` (the
+    Triton passes sum the same float64 terms over the same chunks for every input dtype).
     """
     choice = os.environ.get("GRADSCALER_KERNEL", "auto")
     if choice == "triton" or (choice == "auto" and src[0].device.type == "cuda"):
@@ -94,10 +106,13 @@ def move_grads_(src: list[torch.Tensor], dst: list[torch.Tensor], inv_scale: tor
         if choice == "triton" or triton_stats.AVAILABLE:
             from gradscaler.kernels import triton_move
 
-            return triton_move.move_grads_(src, dst, inv_scale)
-    flag = torch.zeros((), dtype=torch.float32, device=src[0].device)
+            return triton_move.move_grads_(src, dst, factor, norm_type, norm_inv)
     torch._foreach_copy_(dst, src)
-    if inv_scale is not None:
-        inv = moved(inv_scale, flag.device, torch.float32)
-        torch._amp_foreach_non_finite_check_and_unscale_(dst, flag, inv)
-    return flag
+    stats = grad_stats(dst, norm_type, norm_inv) if norm_type is not None or factor is None else None
+    if factor is not None:
+        flag = torch.zeros((), dtype=torch.float32, device=src[0].device)
+        torch._amp_foreach_non_finite_check_and_unscale_(dst, flag, moved(factor, flag.device, torch.float32))
+        if stats is None:
+            return GradStats(flag, None)
+    assert stats is not None  # asked for above whenever no factor gives the flag
+    return stats

@@ -51,7 +51,7 @@ if AVAILABLE:
         return tensor, base, tl.minimum(numel - base, CHUNK_SIZE)
 
     @triton.jit
-    def _accumulate(raw, acc, bad, inv, p, MODE: tl.constexpr, ACC: tl.constexpr):
+    def accumulate(raw, acc, bad, inv, p, MODE: tl.constexpr, ACC: tl.constexpr):
         """Fold one block of stored values into the running norm term and the non-finite bits.
 
         The flag is read off the stored dtype (a float64 1e300 is finite; cast to float32 it would
@@ -73,7 +73,7 @@ if AVAILABLE:
         return acc, bad
 
     @triton.jit
-    def _nan_max(values):
+    def nan_max(values):
         """The max of a block, NaN when any lane is NaN (a reduction max may drop NaN; a sum keeps it)."""
         has_nan = tl.max((values != values).to(tl.int32), axis=0)
         return tl.where(has_nan > 0, tl.sum(values, axis=0), tl.max(values, axis=0))
@@ -111,14 +111,14 @@ if AVAILABLE:
         lanes = tl.arange(0, BLOCK_SIZE)
         for start in range(0, full, BLOCK_SIZE):  # whole blocks: unmasked, vectorised loads
             raw = tl.load(ptr + base + start + lanes)
-            acc, bad = _accumulate(raw, acc, bad, inv, p, MODE, ACC)
+            acc, bad = accumulate(raw, acc, bad, inv, p, MODE, ACC)
         tail = full + lanes  # the partial last block of this chunk (empty when count % BLOCK == 0)
         raw = tl.load(ptr + base + tail, mask=tail < count, other=0.0)
-        acc, bad = _accumulate(raw, acc, bad, inv, p, MODE, ACC)
+        acc, bad = accumulate(raw, acc, bad, inv, p, MODE, ACC)
         nonfinite = tl.max(bad, axis=0)
         tl.atomic_max(flag_ptr, 1.0, mask=nonfinite > 0)
         if MODE == 2:
-            tl.store(partial_ptr + pid, _nan_max(acc).to(tl.float64))
+            tl.store(partial_ptr + pid, nan_max(acc).to(tl.float64))
         elif MODE != 0:
             tl.store(partial_ptr + pid, tl.sum(acc, axis=0).to(tl.float64))
 
@@ -136,7 +136,7 @@ if AVAILABLE:
             else:
                 acc += v
         if MODE == 2:
-            norm = _nan_max(acc)
+            norm = nan_max(acc)
         elif MODE == 1:
             norm = tl.sqrt(tl.sum(acc, axis=0))
         else:
@@ -205,7 +205,8 @@ def tables_for(tensors: list[torch.Tensor]) -> _Tables:
     return found
 
 
-def _mode(norm_type: float | None) -> int:
+def mode_of(norm_type: float | None) -> int:
+    """The kernels' MODE for a norm type: none (flag alone), p = 2, inf, or another p."""
     if norm_type is None:
         return MODE_CHECK
     if math.isinf(norm_type):
@@ -226,7 +227,7 @@ def grad_stats(grads: list[torch.Tensor], norm_type: float | None, inv_scale: to
         return torch_stats.grad_stats(grads, norm_type, inv_scale)
     device = grads[0].device
     flag = torch.zeros((), dtype=torch.float32, device=device)
-    mode = _mode(norm_type)
+    mode = mode_of(norm_type)
     inv = None if inv_scale is None or mode == MODE_CHECK else inv_scale.to(device, non_blocking=True)
     norms = [
         _launch(part, table, mode, float(norm_type or 0.0), flag, inv)  # type: ignore[arg-type]
@@ -240,9 +241,7 @@ def _launch(
 ) -> torch.Tensor:
     device, dtype = grads[0].device, grads[0].dtype
     wide = dtype == torch.float64
-    # Sums of squares and powers accumulate in float64: no overflow for any float32 value, so the
-    # norm is right whatever inv_scale is. Maxima need no widening.
-    acc = tl.float64 if wide or mode in (MODE_SQUARES, MODE_POWER) else tl.float32
+    acc = accumulator(dtype, mode)
     partial = torch.empty(tables.num_chunks if mode != MODE_CHECK else 1, dtype=torch.float64, device=device)
     _chunk_kernel[(tables.num_chunks,)](
         tables.table,
@@ -262,7 +261,22 @@ def _launch(
         TABLE_BLOCK=triton.next_power_of_2(len(grads) + 1),
         num_warps=NUM_WARPS,
     )
-    norms = torch.empty(len(grads), dtype=torch.float64 if wide else torch.float32, device=device)
-    if mode != MODE_CHECK:
-        _tensor_kernel[(len(grads),)](partial, tables.offsets, norms, p, MODE=mode, RBLOCK=256)
+    if mode == MODE_CHECK:
+        return torch.empty(0, dtype=torch.float32, device=device)
+    return tensor_norms(partial, tables, len(grads), p, mode, torch.float64 if wide else torch.float32)
+
+
+def accumulator(dtype: torch.dtype, mode: int) -> tl.dtype:
+    """The accumulation type of a pass over ``dtype`` values in ``mode``. Sums of squares and powers
+    accumulate in float64: no overflow for any float32 value, so the norm is right whatever
+    ``inv_scale`` is. Maxima need no widening."""
+    return tl.float64 if dtype == torch.float64 or mode in (MODE_SQUARES, MODE_POWER) else tl.float32
+
+
+def tensor_norms(
+    partial: torch.Tensor, tables: _Tables, count: int, p: float, mode: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Launch 2: each tensor's norm from its chunks' ``partial`` terms, in a fixed order (``dtype``)."""
+    norms = torch.empty(count, dtype=dtype, device=partial.device)
+    _tensor_kernel[(count,)](partial, tables.offsets, norms, p, MODE=mode, RBLOCK=256)
     return norms

@@ -5,7 +5,7 @@ AdamW x no clip / clip 1.0. "by hand": torch's scaler on an optimizer over float
 gradients copied into preallocated float32 gradients with one ``torch._foreach_copy_``, and the
 parameters refreshed with another after the step (the fastest way to write the recipe with torch's
 ops). "gradscaler": ``GradScaler(master_weights=True)``, whose move is one pass (2 bytes read and 4
-written per value, the flag in the same pass). Both start from the same values; after the run their
+written per value, the flag and clipping norms in the same pass). Both start from the same values; after the run their
 parameters are compared (bit-identical without clipping; with clipping gradscaler's one-pass
 ``clip_grad_norm_`` rounds differently from ``unscale_`` + torch's ``clip_grad_norm_``).
 """
