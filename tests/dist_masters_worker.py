@@ -15,6 +15,7 @@ for one LayerNorm kept in float32 (``make_net``); the optimizer is AdamW (foreac
 
 from __future__ import annotations
 
+import io
 import math
 from typing import Any
 
@@ -28,6 +29,7 @@ from gradscaler import GradScaler
 STEPS = 8
 BAD_STEP = 3
 MAX_NORM = 0.5
+CHECKPOINT_STEP = 4  # the checkpoint scenario saves before this step, then replays it after a load
 OPTIMIZERS = ("adamw", "sgd")
 
 
@@ -224,6 +226,72 @@ def reference(world: int, kind: str, clip: bool, inject: str) -> dict[str, Any]:
     return train(net, net, kind, clip, None, world, inject)
 
 
+def through_bytes(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` saved with ``torch.save`` and loaded back (DTensors and all)."""
+    buffer = io.BytesIO()
+    torch.save(state_dict, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+def fsdp2_checkpoint(rank: int, world: int) -> dict[str, Any]:
+    """A bound optimizer's state dict round-trips under FSDP2: saved before ``CHECKPOINT_STEP`` (with the
+    scaler's), two steps trained, both loaded; the masters, parameters and state are back, bit for bit,
+    and the replayed step equals the first one; so does the step of a new model, optimizer and scaler
+    that load the checkpoint before their first contact (the masters built from the saved values)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from gradscaler.masters import SAVED_KEY
+
+    def build() -> tuple[Net, torch.optim.Optimizer, GradScaler]:
+        net = make_net()
+        for layer in (net.inp, net.norm, net.mid, net.out):
+            fully_shard(layer)
+        fully_shard(net)
+        opt = make_optimizer("adamw", list(net.parameters()))
+        return net, opt, GradScaler("cpu", init_scale=2.0**10, growth_interval=2, master_weights=True)
+
+    def one_step(net: Net, opt: torch.optim.Optimizer, scaler: GradScaler, step: int) -> None:
+        opt.zero_grad()
+        for x, y in halves(step, rank, world):
+            scaler.scale(nn.functional.mse_loss(net(x), y)).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    net, opt, scaler = build()
+    for step in range(CHECKPOINT_STEP):
+        one_step(net, opt, scaler, step)
+    saved, saved_model = through_bytes(opt.state_dict()), through_bytes(net.state_dict())
+    saved_scaler = scaler.state_dict()
+    at_save = snapshot(net, scaler, opt)
+    one_step(net, opt, scaler, CHECKPOINT_STEP)
+    first = snapshot(net, scaler, opt)
+    one_step(net, opt, scaler, CHECKPOINT_STEP + 1)
+    moved_on = not unchanged(at_save, snapshot(net, scaler, opt))
+    net.load_state_dict(saved_model)
+    opt.load_state_dict(through_bytes(saved))  # a copy: torch's load keeps the dict's tensors as the state
+    scaler.load_state_dict(saved_scaler)
+    restored = unchanged(at_save, snapshot(net, scaler, opt))
+    one_step(net, opt, scaler, CHECKPOINT_STEP)
+    replayed = unchanged(first, snapshot(net, scaler, opt))
+    # A resumed run: a new model, optimizer and scaler load the checkpoint before their first contact.
+    new_net, new_opt, new_scaler = build()
+    new_net.load_state_dict(saved_model)
+    new_opt.load_state_dict(through_bytes(saved))
+    new_scaler.load_state_dict(saved_scaler)
+    one_step(new_net, new_opt, new_scaler, CHECKPOINT_STEP)
+    saved_masters = [m for group in saved["param_groups"] for m in group.get(SAVED_KEY, {}).get("masters", {}).values()]
+    return {
+        "saved_masters": [(type(m).__name__, m.dtype, repr(getattr(m, "placements", None))) for m in saved_masters],
+        "moved_on": moved_on,
+        "restored": restored,
+        "replayed": replayed,
+        "resumed": unchanged(first, snapshot(new_net, new_scaler, new_opt)),
+        "beyond_half": any(not torch.equal(local(m), local(m).half().float()) for m in saved_masters),
+        "rounded": all(torch.equal(local(low), local(m).to(low.dtype)) for low, m in scaler.master_weights(opt)),
+    }
+
+
 def scenarios(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for kind in OPTIMIZERS:
@@ -234,4 +302,5 @@ def scenarios(rank: int, world: int) -> dict[str, Any]:
             if rank == 0:
                 out[f"reference-{tag}"] = reference(world, kind, clip, "hook")
     out["ddp-sgd-noclip-group"] = ddp(rank, world, "sgd", False, "after")
+    out["fsdp2-checkpoint"] = fsdp2_checkpoint(rank, world)
     return out

@@ -5,7 +5,8 @@ The one-process reference trains the same model on the same global batch, as the
 with each half's loss divided by 2 and the gradients accumulated: the sum DDP's all-reduce and FSDP2's
 reduce-scatter compute (a sum of two float16 values is the same in either order, and halving is exact).
 So its gradients equal the ranks' bit for bit, and so does a DDP run, where every rank steps the same
-whole tensors. Where the arithmetic differs, the tolerance is stated at the comparison.
+whole tensors. Where the arithmetic differs, the tolerance is stated at the comparison. Last, an FSDP2
+optimizer's state dict carries the float32 DTensor masters through ``torch.save`` and back.
 """
 
 from __future__ import annotations
@@ -173,3 +174,18 @@ def test_fsdp2_clip_norm_equals_the_one_process_norm(ranks: list[dict[str, Any]]
             continue
         assert norms[1][step] == norms[0][step], f"step {step}: the ranks' norms differ"
         assert norms[0][step] == pytest.approx(single["norm"][step], rel=1e-6), f"step {step}"
+
+
+def test_fsdp2_optimizer_state_dict_round_trips_the_masters(ranks: list[dict[str, Any]]) -> None:
+    """A bound optimizer's state dict (through torch.save) holds float32 DTensor masters; loaded back (with
+    the model's and the scaler's), masters, parameters and state are restored bit for bit and the replayed
+    step equals the first; a new model, optimizer and scaler resumed from it take the same step."""
+    for rank, item in enumerate(ranks):
+        found = item["fsdp2-checkpoint"]
+        assert found["saved_masters"] == [("DTensor", torch.float32, "(Shard(dim=0),)")] * 6, found["saved_masters"]
+        assert found["beyond_half"], f"rank {rank}: the saved masters hold float16 values only: the test proves nothing"
+        assert found["moved_on"], f"rank {rank}: the steps after the save changed nothing"
+        assert found["restored"], f"rank {rank}: loading did not restore masters, parameters and state"
+        assert found["replayed"], f"rank {rank}: the replayed step differs from the first"
+        assert found["resumed"], f"rank {rank}: the resumed run's step differs"
+        assert found["rounded"], f"rank {rank}: the float16 shards are not their masters rounded"
