@@ -204,7 +204,9 @@ def record_first_contact(
 
 
 def ddp(rank: int, world: int, kind: str, clip: bool, inject: str) -> dict[str, Any]:
-    """DDP over the float16 model; with ``inject="after"`` the scaler agrees over the world group."""
+    """DDP over the float16 model; with ``inject="after"`` the scaler agrees over the world group (for the
+    flag only: ``process_group`` means partitioned gradients, so its clip norm would count DDP's replicated
+    ones once per rank; ``scenarios`` runs that variant without clipping)."""
     model = nn.parallel.DistributedDataParallel(make_net())
     group = dist.group.WORLD if inject == "after" else None
     return train(model, model.module, kind, clip, rank, world, inject, group)
