@@ -34,16 +34,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
         "demo",
-        help="show why loss scaling matters: fp32 vs fp16 with and without scaling",
+        help="show why loss scaling matters: fp32 vs fp16 with and without scaling, fp16 weights with masters",
         description="Train a small transformer language model on embedded text in float32, "
-        "in float16 without loss scaling and in float16 with gradscaler; print a summary "
+        "in float16 without loss scaling and in float16 with gradscaler; then the model cast to float16, "
+        "with float32 master weights (master_weights=True) and without; print a summary "
         "table and write a figure (PNG) and the numbers (JSON).",
     )
     demo.add_argument(
         "--steps",
         type=_positive_int,
         default=None,
-        help="training steps per run (default: 300 on the CPU, 600 on CUDA)",
+        help="training steps per run (default: 200 on the CPU, 600 on CUDA)",
     )
     demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     demo.add_argument("--out", default=".", help="folder for gradscaler-demo.png and gradscaler-demo.json")
