@@ -7,7 +7,7 @@ import importlib.util
 import sys
 from collections.abc import Sequence
 
-SECTIONS = ("kernel", "step", "iteration", "matrix", "masters")
+SECTIONS = ("kernel", "step", "iteration", "matrix", "masters", "memory")
 DEFAULT_SECTIONS = ("kernel", "step", "iteration")
 
 
@@ -64,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=list(DEFAULT_SECTIONS),
         help=f"comma-separated subset of {','.join(SECTIONS)} (default: {','.join(DEFAULT_SECTIONS)}; "
         "matrix: shapes x optimizers x clip with host time, and whole iterations at batch 1; masters: float16 "
-        "parameters with master_weights=True against the recipe by hand)",
+        "parameters with master_weights=True against the recipe by hand; memory: bytes per parameter of "
+        "float32 / float16 + masters / float16 parameters after a training step, measured from the storages)",
     )
     bench.add_argument(
         "--quick", action="store_true", help="run the matrix at toy sizes (seconds; for tests and smoke runs)"
