@@ -139,7 +139,7 @@ def no_masters_line(run: dict[str, Any], fp32: float, tolerance: float) -> str:
     if zeros:
         parts.append(
             f"After its first applied step {100 * zeros:.0f}% of AdamW's second-moment entries were 0 in float16 "
-            "(g**2 * (1 - beta2) below 2**-24) where the gradient was not, so those updates were m / eps;"
+            "((1 - beta2) * g**2 under 2**-25 rounds to 0) where the gradient was not, so those updates were m / eps;"
         )
         parts.append(f"its largest weight reached {run['largest_weight']:.3g}.")
     if broken is not None:
