@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -40,10 +41,26 @@ def test_short_demo_writes_table_figure_and_json(tmp_path: Path, capsys: pytest.
     assert cli.main(["demo", "--steps", "12", "--out", str(tmp_path), "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "| fp16 + gradscaler |" in out and "tolerance 10%" in out
+    assert "| fp16 parameters + master weights |" in out and "| fp16 parameters, no masters |" in out
     numbers = json.loads((tmp_path / "gradscaler-demo.json").read_text())
-    assert [r["run"] for r in numbers["runs"]] == ["fp32", "fp16, no scaling", "fp16 + gradscaler"]
+    runs = {r["run"]: r for r in numbers["runs"]}
+    assert list(runs) == [
+        "fp32",
+        "fp16, no scaling",
+        "fp16 + gradscaler",
+        "fp16 parameters + master weights",
+        "fp16 parameters, no masters",
+    ]
     assert all(len(r["losses"]) == 12 for r in numbers["runs"])
-    assert numbers["runs"][1]["underflow_share"] > 0.5  # the point of the demo: most values lost
+    assert runs["fp16, no scaling"]["underflow_share"] > 0.5  # the point of the demo: most values lost
+    masters = runs["fp16 parameters + master weights"]
+    assert all(math.isfinite(loss) for loss in masters["losses"]) and math.isfinite(masters["final_loss"])
+    assert 0 <= masters["lost_update_share"] < 1  # the applied updates below float16's resolution, measured
+    plain = runs["fp16 parameters, no masters"]  # float16 AdamW moments: measured, whatever they come to
+    assert 0 <= plain["lost_update_share"] <= 1 and 0 <= plain["second_moment_zero_share"] <= 1
+    verdicts = [line for line in out.splitlines() if line.startswith("fp16 parameters")]
+    assert len(verdicts) == 2 and ("PASS" in verdicts[0] or "FAIL" in verdicts[0])
+    assert "rounded to nothing in float16" in verdicts[1]
     assert (tmp_path / "gradscaler-demo.png").stat().st_size > 10_000
     log = tmp_path / "gradscaler-demo-scaler.jsonl"  # the gradscaler run's log, every step
     assert len(log.read_text().splitlines()) == 12

@@ -12,6 +12,9 @@ Three sections, each checking correctness while it times:
   (untimed) before every timed step; after the run the parameters of both scalers are compared.
 * ``iteration``: whole training iterations of a GPT-2-small-shaped model under float16 autocast
   (CUDA: 124M, batch 8 x 1024; CPU: a small one), clip 1.0, fused and foreach AdamW.
+
+On request (``--sections``): ``matrix`` (``matrix.py``), ``masters`` (``bench_masters.py``) and
+``memory`` (``memory.py``: bytes per parameter measured from the storages, nothing timed).
 """
 
 from __future__ import annotations
@@ -375,7 +378,8 @@ def run(
     sections: list[str],
     progress: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Run the chosen sections (kernel, step, iteration) and return every number (matrix: ``matrix.py``)."""
+    """Run the chosen sections (kernel, step, iteration, masters, memory) and return every number (matrix:
+    ``matrix.py``)."""
     device = torch.device(device_name or ("cuda" if torch.cuda.is_available() else "cpu"))
     shapes = gpt2_shapes(1024, 24, 50257, 1024) if device.type == "cuda" else gpt2_shapes(512, 8, 16384, 512)
     results: dict[str, Any] = {"environment": environment(device), "steps": steps, "warmup": warmup}
@@ -393,6 +397,11 @@ def run(
 
         progress("bench: float16 parameters + master weights, step phase (4 rows x 2 variants) ...")
         results["masters"] = masters_section(device, shapes, steps, warmup)
+    if "memory" in sections:
+        from gradscaler.tools.memory import memory_section
+
+        progress("bench: bytes per parameter after a training step (3 setups x 2 optimizers) ...")
+        results["memory"] = memory_section(device)
     return results
 
 
@@ -424,6 +433,10 @@ def format_tables(results: dict[str, Any]) -> str:
         from gradscaler.tools.bench_masters import masters_lines
 
         formatters["masters"] = masters_lines
+    if "memory" in results:
+        from gradscaler.tools.memory import memory_lines
+
+        formatters["memory"] = memory_lines
     for section, format_section in formatters.items():
         if section in results:
             lines += format_section(results[section])

@@ -7,7 +7,7 @@ import importlib.util
 import sys
 from collections.abc import Sequence
 
-SECTIONS = ("kernel", "step", "iteration", "matrix", "masters")
+SECTIONS = ("kernel", "step", "iteration", "matrix", "masters", "memory")
 DEFAULT_SECTIONS = ("kernel", "step", "iteration")
 
 
@@ -34,16 +34,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
         "demo",
-        help="show why loss scaling matters: fp32 vs fp16 with and without scaling",
+        help="show why loss scaling matters: fp32 vs fp16 with and without scaling, fp16 weights with masters",
         description="Train a small transformer language model on embedded text in float32, "
-        "in float16 without loss scaling and in float16 with gradscaler; print a summary "
+        "in float16 without loss scaling and in float16 with gradscaler; then the model cast to float16, "
+        "with float32 master weights (master_weights=True) and without; print a summary "
         "table and write a figure (PNG) and the numbers (JSON).",
     )
     demo.add_argument(
         "--steps",
         type=_positive_int,
         default=None,
-        help="training steps per run (default: 300 on the CPU, 600 on CUDA)",
+        help="training steps per run (default: 200 on the CPU, 600 on CUDA)",
     )
     demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     demo.add_argument("--out", default=".", help="folder for gradscaler-demo.png and gradscaler-demo.json")
@@ -63,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=list(DEFAULT_SECTIONS),
         help=f"comma-separated subset of {','.join(SECTIONS)} (default: {','.join(DEFAULT_SECTIONS)}; "
         "matrix: shapes x optimizers x clip with host time, and whole iterations at batch 1; masters: float16 "
-        "parameters with master_weights=True against the recipe by hand)",
+        "parameters with master_weights=True against the recipe by hand; memory: bytes per parameter of "
+        "float32 / float16 + masters / float16 parameters after a training step, measured from the storages)",
     )
     bench.add_argument(
         "--quick", action="store_true", help="run the matrix at toy sizes (seconds; for tests and smoke runs)"

@@ -1,11 +1,17 @@
 """``gradscaler demo``: why float16 training needs loss scaling, reproduced at small scale.
 
 The task: a character-level transformer language model learns a small generated corpus (sentences
-from a fixed grammar, made in-process from the seed; nothing is downloaded). Three runs from the same
-initial weights and batches: float32; float16 autocast without loss scaling; float16 autocast with
-gradscaler. It reproduces the two findings of Micikevicius et al., "Mixed Precision Training" (ICLR
-2018): many activation-gradient values lie below float16's smallest subnormal (2**-24) and become 0
-without scaling (their Figure 3), and float16 with loss scaling follows the float32 loss curve.
+from a fixed grammar, made in-process from the seed; nothing is downloaded). Five runs from the same
+initial weights and batches, with the same AdamW: float32; float16 autocast without loss scaling;
+float16 autocast with gradscaler (float32 parameters); the model cast to float16 (``model.half()``,
+the float32 initial weights rounded) trained through float32 master weights
+(``GradScaler(..., master_weights=True)``); and the same float16 model stepped in float16 without
+masters (fused AdamW, see ``gradscaler.tools.demo_fp16``). It reproduces the findings of
+Micikevicius et al., "Mixed Precision Training" (ICLR 2018): many activation-gradient values lie
+below float16's smallest subnormal (2**-24) and become 0 without scaling (their Figure 3), float16
+with loss scaling follows the float32 loss curve, and float16 weights need a float32 master copy
+(their section 3.1: updates below float16's resolution are lost; here AdamW's second moment, kept in
+float16, also underflows).
 
 Why the gradients are small here, honestly. Language models are trained on large global batches
 split over data-parallel ranks, and Megatron-LM's per-token loss (``calculate_per_token_loss``) has
@@ -34,17 +40,28 @@ import torch
 from torch import nn
 
 from gradscaler import GradScaler, JsonLinesLogger
+from gradscaler.tools.demo_fp16 import (
+    FP16_PARAMETERS,
+    MASTERS,
+    NO_MASTERS,
+    UpdateWatch,
+    float32_copy,
+    masters_line,
+    no_masters_line,
+    optimizer_params,
+)
 from gradscaler.tools.toy_model import TinyGPT
 
 FP16_TINY = 2.0**-24  # smallest positive subnormal float16
 FP16_MAX = 65504.0
-RUNS = ("fp32", "fp16, no scaling", "fp16 + gradscaler")
+SCALED = "fp16 + gradscaler"
+RUNS = ("fp32", "fp16, no scaling", SCALED, MASTERS, NO_MASTERS)
 RANKS = 1024
 """Data-parallel ranks the per-token loss is normalised over (see the module docstring)."""
 LOSS_TOLERANCE = 0.10
-"""The demo's stated tolerance: final loss of fp16 + gradscaler within 10% of the fp32 run's
-(float16 rounding makes the two trajectories differ step by step; both are evaluated in float32 on
-the same held-out batches)."""
+"""The demo's stated tolerance: final loss of fp16 + gradscaler, and of fp16 parameters + master
+weights, within 10% of the fp32 run's (float16 rounding makes the trajectories differ step by step;
+all are evaluated in float32 on the same held-out batches)."""
 EVAL_BATCHES = 4
 
 
@@ -77,11 +94,12 @@ class Batches:
         return window[:, :-1].to(self.device), window[:, 1:].to(self.device)
 
 
-def sum_over_ranks_(params: list[nn.Parameter]) -> None:
+def sum_over_ranks_(params: list[torch.Tensor]) -> None:
     """Stand-in for the all-reduce SUM of a data-parallel job: RANKS ranks whose data are alike.
 
-    Applied after the backward pass, in float32, to every run alike: it restores the gradient's
-    magnitude for the optimizer; it cannot bring back values the float16 backward already lost.
+    Applied after the backward pass, in float32, to every run alike (the float16 run without masters
+    aside: its float16 gradients, still scaled, as DDP sums them): it restores the gradient's magnitude
+    for the optimizer; it cannot bring back values the float16 backward already lost.
     """
     with torch.no_grad():
         torch._foreach_mul_([p.grad for p in params if p.grad is not None], float(RANKS))
@@ -119,17 +137,28 @@ def train(
 
     With ``log``, the gradscaler run writes its scaler log there (every step; ``gradscaler report`` reads it).
     """
+    if name not in RUNS:
+        raise ValueError(f"unknown demo run {name!r}; the runs are {', '.join(RUNS)}")
     torch.manual_seed(seed)
     model = TinyGPT(len(batches.vocab), width=64, layers=2, heads=4, context=batches.context).to(batches.device)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    if name in FP16_PARAMETERS:
+        model.half()  # the float32 initial weights, rounded to float16
+    # Fused AdamW: how torch lets a scaler step float16 parameters without masters (demo_fp16).
+    fused: dict[str, Any] = {"fused": True} if name == NO_MASTERS else {}
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0, **fused)
     fp16 = name != "fp32"
-    # growth_interval=10 (torch: 2000) so that 200 steps show growth up to overflow and the backoff.
-    scaler = GradScaler(batches.device.type, growth_interval=10) if name == "fp16 + gradscaler" else None
-    if scaler is not None and log is not None:
+    # growth_interval=10 (torch: 2000) so that 200 steps show growth up to overflow and the backoff;
+    # collapse_patience=None lets the float16 run without masters go on to the end once it has diverged.
+    scaler = (
+        GradScaler(batches.device.type, growth_interval=10, collapse_patience=None, master_weights=name == MASTERS)
+        if name in (SCALED, *FP16_PARAMETERS)
+        else None
+    )
+    if scaler is not None and log is not None and name == SCALED:
         log.unlink(missing_ok=True)  # the logger appends
         scaler.name_parameters(model)
         scaler.add_logger(JsonLinesLogger(log), every=1)
-    params = list(model.parameters())
+    watch = UpdateWatch(model, opt, scaler) if scaler is not None and name in FP16_PARAMETERS else None
     losses: list[float] = []
     begin = time.perf_counter()
     for step in range(steps):
@@ -138,24 +167,30 @@ def train(
         rank_loss = loss / RANKS  # this rank's share of the global per-token loss
         if scaler is None:
             rank_loss.backward()
-            sum_over_ranks_(params)
+            sum_over_ranks_(optimizer_params(opt))
             opt.step()
         else:
             scaler.scale(rank_loss).backward()
-            scaler.unscale_(opt)
-            sum_over_ranks_(params)
+            if name != NO_MASTERS:  # with masters: moves the gradients into the float32 masters, unscaled
+                scaler.unscale_(opt)
+            sum_over_ranks_(optimizer_params(opt))  # without masters: the float16 gradients, still scaled
+            if watch is not None:
+                watch.before()
             scaler.step(opt)
             scaler.update()
+            if watch is not None:
+                watch.after()
         losses.append(loss.detach().item())
         if progress:
             _bar(name, step + 1, steps, losses[-1], begin)
     seconds = time.perf_counter() - begin
     held_out = [batches.get(10**6 + i) for i in range(EVAL_BATCHES)]
+    evaluated = float32_copy(model) if name in FP16_PARAMETERS else model
     with torch.no_grad():
-        final = sum(float(loss_of(model, *b, fp16=False)) for b in held_out) / len(held_out)
+        final = sum(float(loss_of(evaluated, *b, fp16=False)) for b in held_out) / len(held_out)
     scale = scaler.get_scale() if scaler is not None else 1.0
     history = scaler.history() if scaler is not None else {"scale": [], "skipped": []}
-    grads = activation_gradients(model, held_out[0])
+    grads = activation_gradients(evaluated, held_out[0])
     return {
         "run": name,
         "losses": losses,
@@ -167,6 +202,7 @@ def train(
         "skipped": history["skipped"],
         "underflow_share": None if name == "fp32" else underflow_share(grads, scale),
         "activation_gradients": grads,
+        **(watch.numbers() if watch is not None else {}),
     }
 
 
@@ -181,7 +217,7 @@ def _bar(name: str, done: int, total: int, loss: float, begin: float) -> None:
     eta = (total - done) / rate
     sys.stderr.write(
         ("\r" if interactive else "")
-        + f"{name:<18} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} "
+        + f"{name:<32} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} "
         + f"loss {loss:.3f}  {rate:.1f} it/s  eta {eta:.0f}s "
         + ("\n" if done == total or not interactive else "")
     )
@@ -191,26 +227,30 @@ def _bar(name: str, done: int, total: int, loss: float, begin: float) -> None:
 def summary_table(runs: list[dict[str, Any]]) -> str:
     """The demo's summary, as a Markdown table."""
     lines = [
-        "| run | final loss | skipped steps | final scale | activation grads underflowed | time |",
-        "|---|---|---|---|---|---|",
+        "| run | final loss | skipped steps | final scale | activation grads underflowed "
+        "| updates lost to fp16 rounding | time |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in runs:
+        scaled = r["run"] in (SCALED, *FP16_PARAMETERS)
         share = "-" if r["underflow_share"] is None else f"{100 * r['underflow_share']:.1f}%"
-        skipped = "-" if r["run"] != "fp16 + gradscaler" else str(r["skipped_steps"])
-        scale = "-" if r["run"] != "fp16 + gradscaler" else f"{r['final_scale']:g}"
-        lines.append(f"| {r['run']} | {r['final_loss']:.3f} | {skipped} | {scale} | {share} | {r['seconds']:.1f} s |")
+        skipped = str(r["skipped_steps"]) if scaled else "-"
+        scale = f"{r['final_scale']:g}" if scaled else "-"
+        lost = "-" if r.get("lost_update_share") is None else f"{100 * r['lost_update_share']:.2f}%"
+        if r["run"] == MASTERS and lost != "-":
+            lost += " (kept by the masters)"
+        lines.append(
+            f"| {r['run']} | {r['final_loss']:.3f} | {skipped} | {scale} | {share} | {lost} | {r['seconds']:.1f} s |"
+        )
     return "\n".join(lines)
 
 
 def verdict(runs: list[dict[str, Any]]) -> list[str]:
     """Plain-language reading of the numbers, checked against the stated tolerance."""
-    fp32, plain, scaled = (r["final_loss"] for r in runs)
-    gap = abs(scaled - fp32) / fp32
-    out = [
-        f"fp16 + gradscaler ends within {100 * gap:.1f}% of the fp32 loss (tolerance "
-        f"{100 * LOSS_TOLERANCE:.0f}%): {'PASS' if gap <= LOSS_TOLERANCE else 'FAIL'}."
-    ]
-    lag = (plain - fp32) / fp32
+    by_name = {r["run"]: r for r in runs}
+    fp32 = by_name["fp32"]["final_loss"]
+    out = [within_tolerance(SCALED, by_name[SCALED]["final_loss"], fp32)]
+    lag = (by_name["fp16, no scaling"]["final_loss"] - fp32) / fp32
     out.append(
         f"fp16 without scaling ends {100 * lag:+.1f}% from the fp32 loss: "
         + (
@@ -219,7 +259,21 @@ def verdict(runs: list[dict[str, Any]]) -> list[str]:
             else "no lag at this size."
         )
     )
+    if MASTERS in by_name:
+        out.append(within_tolerance(MASTERS, by_name[MASTERS]["final_loss"], fp32) + masters_line(by_name[MASTERS]))
+    if NO_MASTERS in by_name:
+        out.append(no_masters_line(by_name[NO_MASTERS], fp32, LOSS_TOLERANCE))
     return out
+
+
+def within_tolerance(name: str, loss: float, fp32: float) -> str:
+    """The PASS/FAIL line of a run held to the stated tolerance of the fp32 loss."""
+    gap = abs(loss - fp32) / fp32
+    passed = math.isfinite(gap) and gap <= LOSS_TOLERANCE
+    return (
+        f"{name} ends within {100 * gap:.1f}% of the fp32 loss (tolerance "
+        f"{100 * LOSS_TOLERANCE:.0f}%): {'PASS' if passed else 'FAIL'}."
+    )
 
 
 def histogram_data(grads: torch.Tensor, scale: float) -> dict[str, Any]:
@@ -261,21 +315,28 @@ def plot(runs: list[dict[str, Any]], hist: dict[str, Any], path: Path) -> bool:
     ax = axes[1]
     for r in runs:
         smooth = _smooth(r["losses"], 10)
-        ax.plot(smooth, label=f"{r['run']} (final {r['final_loss']:.2f})")
+        style = "--" if r["run"] in FP16_PARAMETERS else "-"
+        (line,) = ax.plot(smooth, ls=style, label=f"{r['run']} (final {r['final_loss']:.2f})")
+        broken = next((i for i, v in enumerate(r["losses"]) if not math.isfinite(v)), None)
+        if broken is not None and broken > 0:  # where the curve stops: the loss is not finite from here
+            ax.scatter([broken - 1], [smooth[broken - 1]], color=line.get_color(), marker="x", zorder=3)
+            line.set_label(f"{r['run']} (non-finite from step {broken})")
     ax.set(title="Training loss", xlabel="step", ylabel="cross-entropy (10-step mean)")
     ax.legend(fontsize=8)
     ax = axes[2]
-    scaled = runs[-1]
-    ax.semilogy(scaled["scales"], label="loss scale")
-    skipped = [i for i, s in enumerate(scaled["skipped"]) if s]
-    ax.scatter(
-        skipped,
-        [scaled["scales"][i] for i in skipped],
-        color="red",
-        marker="x",
-        zorder=3,
-        label=f"skipped step ({len(skipped)})",
-    )
+    for r in runs:
+        if r["run"] not in (SCALED, MASTERS):
+            continue
+        (line,) = ax.semilogy(r["scales"], ls="--" if r["run"] == MASTERS else "-", label=f"loss scale, {r['run']}")
+        skipped = [i for i, s in enumerate(r["skipped"]) if s]
+        ax.scatter(
+            skipped,
+            [r["scales"][i] for i in skipped],
+            color=line.get_color(),
+            marker="x",
+            zorder=3,
+            label=f"skipped step ({len(skipped)})",
+        )
     ax.set(title="gradscaler: scale after each step", xlabel="step", ylabel="scale")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -290,6 +351,17 @@ def _smooth(values: list[float], window: int) -> list[float]:
         total += v - (values[i - window] if i >= window else 0.0)
         out.append(total / min(i + 1, window))
     return out
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float as None (JSON has no NaN or inf): a diverged run's losses."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    return value
 
 
 def main(args: Any) -> int:
@@ -307,7 +379,8 @@ def main(args: Any) -> int:
     batches = Batches(corpus(args.seed), batch=16, context=64, seed=args.seed, device=device)
     log = out / "gradscaler-demo-scaler.jsonl"
     runs = [train(name, steps, batches, args.seed, not args.no_progress, log) for name in RUNS]
-    hist = histogram_data(runs[-1]["activation_gradients"], runs[-1]["final_scale"])
+    scaled = next(r for r in runs if r["run"] == SCALED)
+    hist = histogram_data(scaled["activation_gradients"], scaled["final_scale"])
     print()
     print(summary_table(runs))
     print()
@@ -323,7 +396,7 @@ def main(args: Any) -> int:
         "runs": [{k: v for k, v in r.items() if k != "activation_gradients"} for r in runs],
     }
     json_path = out / "gradscaler-demo.json"
-    json_path.write_text(json.dumps(numbers, indent=1))
+    json_path.write_text(json.dumps(json_safe(numbers), indent=1, allow_nan=False))
     png = out / "gradscaler-demo.png"
     if plot(runs, hist, png):
         print(f"\nfigure: {png}")
