@@ -259,7 +259,9 @@ class GradScaler(torch.amp.GradScaler):
         moved = masters.NOTHING  # the masters' gradients: moved, checked and normed in one pass
         if self._masters is not None:
             moved = self._masters.gather(optimizer, None, norm_type, inv_scale)
-            params = moved.rest(self._params(optimizer))
+            params = self._params(optimizer)  # the masters in their parameters' places, bound at the first step
+            agreement = self._agreement(optimizer, params)  # so the masters' norms count in their shard class
+            params = moved.rest(params)
         owners = grads.new_groups()
         groups = grads.group_grads(params, allow_fp16=hand_off and not unscaled, owners=owners)
         norms, flags = grads.norms_and_check(groups, norm_type, inv_scale)  # norms of the unscaled gradients
