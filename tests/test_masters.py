@@ -7,7 +7,9 @@ backward, ``torch.amp.GradScaler.step`` on that optimizer, then ``param.copy_(ma
 
 from __future__ import annotations
 
+import copy
 import io
+import pickle
 from collections.abc import Callable
 from typing import Any
 
@@ -437,3 +439,25 @@ def test_a_model_load_after_binding_is_taken_by_the_masters() -> None:
     scaler.unscale_(opt)
     for low, master in scaler.master_weights(opt):
         assert torch.equal(master.half(), low)
+
+
+@pytest.mark.parametrize("copy_by", ["as_is", "deepcopy", "pickle"])
+def test_reports_name_a_master_by_its_model_parameter(copy_by: str) -> None:
+    """The optimizer steps the masters, but ``nonfinite_parameters`` and ``last_grad_norms`` give the
+    names ``name_parameters(model)`` gave the float16 parameters (before or after the masters bind)."""
+    model, opt, scaler = fresh("adamw_foreach")
+    x, y = batches(1)[0]
+    scaler.name_parameters(model)
+    if copy_by == "deepcopy":
+        scaler = copy.deepcopy(scaler)
+    elif copy_by == "pickle":
+        scaler = pickle.loads(pickle.dumps(scaler))
+        scaler.name_parameters(model)  # names are per process: a pickle drops them
+    scaler.scale(loss_of(model, x, y)).backward()
+    scaler.clip_grad_norm_(opt, 1.0)
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    assert sorted(scaler.last_grad_norms()) == sorted(trainable)
+    scaler.step(opt)
+    scaler.update()
+    overflowed = scaler.nonfinite_parameters()  # INIT_SCALE overflows the first step
+    assert overflowed and set(overflowed) <= set(trainable), overflowed

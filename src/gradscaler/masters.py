@@ -224,6 +224,14 @@ class MasterWeights:
         binding = self._bindings.get(optimizer)
         return [] if binding is None else [(pair.low, pair.master) for pair in binding.pairs]
 
+    def param_of(self, master: torch.Tensor) -> torch.Tensor | None:
+        """The model parameter ``master`` stands for; None when it is no master of these optimizers."""
+        for binding in self._bindings.values():
+            pair = binding.by_master.get(id(master))
+            if pair is not None and pair.master is master:
+                return pair.low
+        return None
+
     def gather(
         self,
         optimizer: torch.optim.Optimizer,

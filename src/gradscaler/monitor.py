@@ -74,7 +74,13 @@ class Monitor:
     their key (a new object at a dead one's address inherits nothing).
     """
 
-    def __init__(self, collapse_patience: int | None = 50, on_collapse: str = "raise", steps: int = 0) -> None:
+    def __init__(
+        self,
+        collapse_patience: int | None = 50,
+        on_collapse: str = "raise",
+        steps: int = 0,
+        stands_for: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
+    ) -> None:
         if on_collapse not in ON_COLLAPSE:
             raise ValueError(f"on_collapse must be 'raise' or 'warn', got {on_collapse!r}.")
         if collapse_patience is not None and (
@@ -86,6 +92,7 @@ class Monitor:
         self.steps = steps
         self.loggers: list[tuple[Logger, int]] = []
         self.param_names: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> name
+        self.stands_for = stands_for  # a tensor the optimizer steps -> the model parameter it stands for
         self.grad_norms: WeakById[list[NormRecord]] = WeakById()  # by optimizer
         self.last_optimizers: list[OptimizerRef] = []
         self._collapse_reported_at = -1
@@ -113,8 +120,11 @@ class Monitor:
             self.param_names[param] = name
 
     def label(self, param: torch.Tensor, where: str) -> str:
-        """The parameter's name, or ``where`` and its shape when it was never named."""
-        return self.param_names.get(param) or f"{where} {tuple(param.shape)}"
+        """The parameter's name (a master's: its model parameter's), or ``where`` and its shape when unnamed."""
+        name = self.param_names.get(param)
+        if name is None and self.stands_for is not None and (model_param := self.stands_for(param)) is not None:
+            name = self.param_names.get(model_param)
+        return name or f"{where} {tuple(param.shape)}"
 
     def clipped(
         self,

@@ -152,12 +152,13 @@ class GradScaler(torch.amp.GradScaler):
         )
         self._init_scale = self._rule.initial_scale(init_scale, self._enabled)
         self._history = rule.integer("history", history, 1, 2**31 - 1)
-        self._monitor = Monitor(collapse_patience, on_collapse)
         self._init_growth_tracker = 0
         self._init_hysteresis_tracker = self._rule.hysteresis
         self._init_counters = [0] * len(COUNTERS)
         self._process_group = process_group
         self._masters = masters.MasterWeights() if master_weights else None
+        stands_for = None if self._masters is None else self._masters.param_of  # names a master as its parameter
+        self._monitor = Monitor(collapse_patience, on_collapse, stands_for=stands_for)
         self._scale: torch.Tensor | None = None
         self._growth_tracker: torch.Tensor | None = None
         self._hysteresis_tracker: torch.Tensor | None = None
