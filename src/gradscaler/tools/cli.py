@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--steps",
         type=_positive_int,
         default=None,
-        help="training steps per run (default: 200 on the CPU, 600 on CUDA)",
+        help="training steps per run (default: 400 on the CPU, 600 on CUDA)",
     )
     demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     demo.add_argument("--out", default=".", help="folder for gradscaler-demo.png and gradscaler-demo.json")

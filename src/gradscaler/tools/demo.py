@@ -63,6 +63,9 @@ LOSS_TOLERANCE = 0.10
 weights, within 10% of the fp32 run's (float16 rounding makes the trajectories differ step by step;
 all are evaluated in float32 on the same held-out batches)."""
 EVAL_BATCHES = 4
+CPU_STEPS = 400
+"""Steps a run on the CPU: past the steep part of the descent (steps 150-250). Stopped at 200, the float16
+runs ended 1% to 12% above the fp32 run depending on the seed (0-3); at 400, within -4% to +8%."""
 
 
 def corpus(seed: int, sentences: int = 4000) -> str:
@@ -147,7 +150,7 @@ def train(
     fused: dict[str, Any] = {"fused": True} if name == NO_MASTERS else {}
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0, **fused)
     fp16 = name != "fp32"
-    # growth_interval=10 (torch: 2000) so that 200 steps show growth up to overflow and the backoff;
+    # growth_interval=10 (torch: 2000) so that a few hundred steps show growth up to overflow and the backoff;
     # collapse_patience=None lets the float16 run without masters go on to the end once it has diverged.
     scaler = (
         GradScaler(batches.device.type, growth_interval=10, collapse_patience=None, master_weights=name == MASTERS)
@@ -367,7 +370,7 @@ def json_safe(value: Any) -> Any:
 def main(args: Any) -> int:
     """Entry point of ``gradscaler demo`` (arguments from ``gradscaler.tools.cli``)."""
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    steps = args.steps or (600 if device.type == "cuda" else 200)
+    steps = args.steps or (600 if device.type == "cuda" else CPU_STEPS)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print(
