@@ -441,20 +441,23 @@ def test_a_model_load_after_binding_is_taken_by_the_masters() -> None:
         assert torch.equal(master.half(), low)
 
 
-@pytest.mark.parametrize("copy_by", ["as_is", "deepcopy", "pickle"])
+@pytest.mark.parametrize("copy_by", ["as_is", "deepcopy", "pickle", "named_after_binding"])
 def test_reports_name_a_master_by_its_model_parameter(copy_by: str) -> None:
     """The optimizer steps the masters, but ``nonfinite_parameters`` and ``last_grad_norms`` give the
     names ``name_parameters(model)`` gave the float16 parameters (before or after the masters bind)."""
     model, opt, scaler = fresh("adamw_foreach")
     x, y = batches(1)[0]
-    scaler.name_parameters(model)
+    if copy_by != "named_after_binding":
+        scaler.name_parameters(model)
     if copy_by == "deepcopy":
         scaler = copy.deepcopy(scaler)
     elif copy_by == "pickle":
         scaler = pickle.loads(pickle.dumps(scaler))
         scaler.name_parameters(model)  # names are per process: a pickle drops them
     scaler.scale(loss_of(model, x, y)).backward()
-    scaler.clip_grad_norm_(opt, 1.0)
+    scaler.clip_grad_norm_(opt, 1.0)  # binds the masters
+    if copy_by == "named_after_binding":
+        scaler.name_parameters(model)
     trainable = [name for name, p in model.named_parameters() if p.requires_grad]
     assert sorted(scaler.last_grad_norms()) == sorted(trainable)
     scaler.step(opt)
