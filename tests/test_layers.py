@@ -30,6 +30,7 @@ LAYERS: dict[str, int] = {
     "checkpoint": 2,
     "diagnosis": 2,
     "masters": 2,
+    "torch_surface": 2,
     "scaler": 3,
     "drop_in": 4,
     "frameworks": 4,

@@ -327,17 +327,25 @@ def one_backward(model: nn.Module, scaler: GradScaler) -> None:
     scaler.scale(loss_of(model, x, y)).backward()
 
 
-def test_clipping_model_parameters_after_unscale_is_refused_with_the_fix() -> None:
+@pytest.mark.parametrize("name", ["adamw_foreach", "sgd_momentum_forloop"])
+def test_torchs_clipping_of_model_parameters_after_unscale_reaches_the_masters(name: str) -> None:
+    """torch's recipe (``unscale_`` then ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``),
+    unpatched: the model's float16 gradients are in the masters, and the clipping reaches them there."""
+    model, opt, scaler = fresh(name)
+    trace = train(model, opt, scaler, batches(), {"scales": [], "params": [], "skipped": []}, 0.5, "model")
+    assert_same_run(trace, by_hand(name, clip=0.5))
+
+
+def test_after_unscale_the_model_gradients_are_none_not_scaled() -> None:
+    """As in the recipe by hand: the gradient is the master's now; nothing shows it still multiplied by S."""
     model, opt, _ = fresh("adamw_foreach")
-    scaler = GradScaler("cpu", init_scale=1.0, master_weights=True)  # a step that would apply
+    scaler = GradScaler("cpu", init_scale=4096.0, master_weights=True)
     one_backward(model, scaler)
-    before = snapshot(model)
     scaler.unscale_(opt)
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-    with pytest.raises(ValueError, match=r"scaler\.clip_grad_norm_\(optimizer, max_norm\)") as caught:
-        scaler.step(opt)
-    assert "optimizer.param_groups[0]['params'][0] (shape (32, 16), torch.float16)" in str(caught.value)
-    assert_bits_equal(snapshot(model), before, "parameters")
+    assert model.fc1.weight.grad is None and model.fc2.bias.grad is None
+    master = dict(scaler.master_weights(opt))[model.fc1.weight]
+    assert master.grad is not None and master.grad.dtype == torch.float32
+    assert model.norm.weight.grad is not None  # float32 parameters keep theirs, unscaled
 
 
 def test_patch_torch_master_weights_clips_model_parameters_through_the_masters() -> None:
@@ -349,7 +357,7 @@ def test_patch_torch_master_weights_clips_model_parameters_through_the_masters()
         scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=3)
         trace = train(model, opt, scaler, batches(), {"scales": [], "params": [], "skipped": []}, 0.5, "model")
     assert isinstance(scaler, GradScaler)
-    assert torch.nn.utils.clip_grad_norm_ is gradscaler.drop_in._torch_clip_grad_norm_
+    assert torch.nn.utils.clip_grad_norm_ is gradscaler.masters.torch_clip_grad_norm_
     assert_same_run(trace, by_hand("adamw_foreach", clip=0.5))
 
 

@@ -62,9 +62,13 @@ class PassLog:
         return found
 
 
-def one_clipped_step(name: str, log_from: pytest.MonkeyPatch | None) -> tuple[PassLog | None, list[torch.Tensor]]:
-    """One clipped iteration after a first (binding) one; the log covers the second only."""
+def one_clipped_step(
+    name: str, log_from: pytest.MonkeyPatch | None, mixed: bool = True
+) -> tuple[PassLog | None, list[torch.Tensor]]:
+    """One clipped iteration after a first (binding) one; the log covers the second only. ``mixed``: the
+    float32 LayerNorm trains beside the float16 layers (else it is frozen: every gradient a master's)."""
     model = HalfNet()
+    model.norm.requires_grad_(mixed)
     opt = OPTIMIZERS[name]([p for p in model.parameters() if p.requires_grad])
     scaler = GradScaler("cpu", init_scale=2.0**10, master_weights=True)
     log = None
@@ -82,16 +86,28 @@ def one_clipped_step(name: str, log_from: pytest.MonkeyPatch | None) -> tuple[Pa
 
 
 @pytest.mark.parametrize("name", ["adamw_fused", "adamw_foreach", "sgd_momentum_forloop"])
-def test_clipping_reads_each_float16_gradient_once_and_never_rereads_a_master(
+def test_clipping_a_float16_model_reads_each_gradient_once_and_never_rereads_a_master(
     monkeypatch: pytest.MonkeyPatch, name: str
 ) -> None:
-    log, master_grads = one_clipped_step(name, monkeypatch)
+    log, master_grads = one_clipped_step(name, monkeypatch, mixed=False)
     assert log is not None
     assert log.moves == [(len(master_grads), 2.0)]  # one move of every float16 gradient, with its norm
-    assert log.touched(log.reads, master_grads) == 0  # the rest pass reads only the float32 LayerNorm's
-    assert len(log.reads) == 2
+    assert log.touched(log.reads, master_grads) == 0
     fused = name.endswith("fused")  # the clip factor goes to the kernel in grad_scale: nothing written
     assert log.touched(log.multiplied, master_grads) == (0 if fused else len(master_grads))
+
+
+@pytest.mark.parametrize("name", ["adamw_fused", "sgd_momentum_forloop"])
+def test_clipping_with_float32_parameters_norms_every_gradient_in_one_pass_after_the_move(
+    monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """As clipping by hand norms them: one pass over all the optimizer's float32 gradients, masters' and
+    LayerNorm's together (on the CPU a tensor's result depends on which tensors share its pass)."""
+    log, master_grads = one_clipped_step(name, monkeypatch, mixed=True)
+    assert log is not None
+    assert log.moves == [(len(master_grads), None)]  # moved with the flag only
+    assert log.touched(log.reads, master_grads) == len(master_grads)
+    assert len(log.reads) == len(master_grads) + 2  # and the LayerNorm's two
 
 
 def test_a_fused_step_takes_its_flag_from_the_move(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -119,15 +119,6 @@ def _with_master_weights(base: type) -> type:
 _MASTER_VARIANTS: dict[type, type] = {
     cls: _with_master_weights(cls) for cls in (GradScaler, CudaAmpGradScaler, CpuAmpGradScaler)
 }
-_torch_clip_grad_norm_ = torch.nn.utils.clip_grad_norm_
-
-
-def clip_grad_norm_(parameters: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` while ``patch_torch(master_weights=True)`` is in effect: float16
-    parameters whose gradients the scaler moved to float32 masters are clipped through those masters
-    (``scaler.unscale_(opt); torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` as in nanoGPT,
-    Accelerate and the HF Trainer)."""
-    return _torch_clip_grad_norm_(masters.stand_ins(parameters), *args, **kwargs)
 
 
 def _rebuild_torch_scaler(module_name: str, name: str, state: dict[str, Any]) -> Any:
@@ -204,7 +195,8 @@ def patch_torch(*, master_weights: bool = False) -> TorchPatch:
 
     ``master_weights=True``: the scalers built default to ``master_weights=True`` (float16 models train
     through float32 masters), and ``torch.nn.utils.clip_grad_norm_`` clips the masters' gradients in
-    place of the float16 parameters' (see :func:`clip_grad_norm_`).
+    place of the float16 parameters' (``gradscaler.masters.clip_grad_norm_``; a scaler with masters
+    routes it so at its first step too).
     """
     global _originals
     with _lock:
@@ -222,9 +214,10 @@ def patch_torch(*, master_weights: bool = False) -> TorchPatch:
         targets: list[tuple[Any, str, str, Any]] = list(_spellings())
         if master_weights:
             targets = [(m, name, attr, _MASTER_VARIANTS[cls]) for m, name, attr, cls in targets]
-            targets.append((torch.nn.utils, "torch.nn.utils", "clip_grad_norm_", clip_grad_norm_))
+            targets.append((torch.nn.utils, "torch.nn.utils", "clip_grad_norm_", masters.clip_grad_norm_))
         for module, module_name, attr, replacement in targets:
-            originals[(module_name, attr)] = getattr(module, attr)
+            original = getattr(module, attr)
+            originals[(module_name, attr)] = masters.torch_clip_grad_norm_ if original is replacement else original
             setattr(module, attr, replacement)
             if isinstance(originals[(module_name, attr)], type):  # a scaler class, not clip_grad_norm_
                 copyreg.pickle(originals[(module_name, attr)], _reduce_torch_scaler)

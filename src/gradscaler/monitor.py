@@ -313,6 +313,7 @@ class Monitor:
         new = copy.copy(self)
         new.loggers = list(self.loggers)
         new.param_names = WeakIdKeyDictionary(self.param_names)
+        new.stands_for = copy.deepcopy(self.stands_for, memo)  # the copied scaler's masters
         new.grad_norms = WeakById()
         new.last_optimizers = []
         new._reads, new._norm, new._policies = {}, None, dict(self._policies)

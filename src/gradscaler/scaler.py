@@ -19,6 +19,7 @@ from torch.amp.grad_scaler import OptState
 from gradscaler import checkpoint, clipping, distributed, fused, grads, kernels, masters, rule, stale
 from gradscaler.monitor import Monitor
 from gradscaler.telemetry import COUNTERS, Keeper, make_telemetry
+from gradscaler.torch_surface import TorchSurface
 
 _CLOSURE_MESSAGE = "Closure use is not currently supported if GradScaler is enabled."
 _NO_CUDA_MESSAGE = (
@@ -55,7 +56,7 @@ def _refresh_per_optimizer_state() -> OptimizerRecord:
     return {"stage": OptState.READY, "found_inf_per_device": {}}
 
 
-class GradScaler(torch.amp.GradScaler):
+class GradScaler(TorchSurface, torch.amp.GradScaler):
     """Dynamic loss scaling for float16 training: a drop-in replacement for ``torch.amp.GradScaler``.
 
     Usage is torch's: ``scaler.scale(loss).backward()``, optionally ``scaler.unscale_(optimizer)`` or
@@ -156,8 +157,8 @@ class GradScaler(torch.amp.GradScaler):
         self._init_hysteresis_tracker = self._rule.hysteresis
         self._init_counters = [0] * len(COUNTERS)
         self._process_group = process_group
-        self._masters = masters.MasterWeights() if master_weights else None
-        stands_for = None if self._masters is None else self._masters.param_of  # names a master as its parameter
+        self._masters = masters.MasterWeights() if master_weights else masters.NoMasters()
+        stands_for = self._masters.param_of if master_weights else None  # names a master as its parameter
         self._monitor = Monitor(collapse_patience, on_collapse, stands_for=stands_for)
         self._scale: torch.Tensor | None = None
         self._growth_tracker: torch.Tensor | None = None
@@ -213,15 +214,14 @@ class GradScaler(torch.amp.GradScaler):
         """
         if not self._enabled:
             return
+        optimizer = masters.unwrap(optimizer)
         self._check_scale_growth_tracker("unscale_")
         record = self._record(optimizer)
         self._check_stage(record, "unscale_()")
         params = self._params(optimizer)
         agreement = self._agreement(optimizer, params)  # before any gradient is touched: a refusal changes nothing
-        inv_scale = self._inv_scale()
-        moved = masters.NOTHING
-        if self._masters is not None:  # the masters' gradients: moved, checked (and unscaled) in one pass
-            moved = self._masters.gather(optimizer, None if self._custom_unscale else inv_scale)
+        inv_scale = self._inv_scale()  # the masters' gradients: moved, checked (and unscaled) in one pass
+        moved = self._masters.move(optimizer, None if self._custom_unscale else inv_scale)
         if self._custom_unscale:  # torch's hook, as torch's unscale_ calls it: every gradient, the masters' too
             per_device = self._unscale_grads_(optimizer, inv_scale, torch.zeros_like(inv_scale), False)
         else:
@@ -242,6 +242,7 @@ class GradScaler(torch.amp.GradScaler):
         ``unscale_`` + ``torch.nn.utils.clip_grad_norm_``.
         """
         norm_type = clipping.check_clip_arguments(max_norm, norm_type)
+        optimizer = masters.unwrap(optimizer)
         if not self._enabled:
             params = [p for p in grads.iter_params(optimizer) if p.grad is not None]
             return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)  # torch's, as torch would
@@ -257,16 +258,14 @@ class GradScaler(torch.amp.GradScaler):
         params = self._params(optimizer)
         agreement = self._agreement(optimizer, params)
         inv_scale = None if unscaled else self._inv_scale()
-        moved = masters.NOTHING  # the masters' gradients: moved, checked and normed in one pass
-        if self._masters is not None:
-            moved = self._masters.gather(optimizer, None, norm_type, inv_scale)
+        moved = self._masters.move(optimizer, None, norm_type, inv_scale)  # moved, checked and normed in one pass
+        if self._masters.active:
             params = self._params(optimizer)  # the masters in their parameters' places, bound at the first step
             agreement = self._agreement(optimizer, params)  # so the masters' norms count in their shard class
-            params = moved.rest(params)
         owners = grads.new_groups()
-        groups = grads.group_grads(params, allow_fp16=hand_off and not unscaled, owners=owners)
+        groups = grads.group_grads(moved.rest(params), allow_fp16=hand_off and not unscaled, owners=owners)
         norms, flags = grads.norms_and_check(groups, norm_type, inv_scale)  # norms of the unscaled gradients
-        norms, by_device = moved.after(norms, grads.flat_owners(owners))
+        norms, by_device = moved.after(norms, grads.flat_owners(owners), params)
         if not unscaled:
             self._record_found_inf(optimizer, record, grads.merge_flags(flags, moved.flags), agreement)
         total = clipping.global_norm(norms, by_device, norm_type, scale.device, agreement)
@@ -294,44 +293,43 @@ class GradScaler(torch.amp.GradScaler):
         are refused.
         """
         if not self._enabled:
-            if self._masters is not None:
-                masters.refuse_low_precision(optimizer)
+            self._masters.refuse_disabled(optimizer)
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs or (args and callable(args[0])):
             raise RuntimeError(_CLOSURE_MESSAGE)
         self._check_scale_growth_tracker("step")
+        target, optimizer = optimizer, masters.unwrap(optimizer)  # a wrapper's step, the optimizer's record
         record = self._record(optimizer)
         if record["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
         stepped = True  # a fused optimizer skips inside: its masters are unchanged and copy back as they were
         if fused.supports_amp_scaling(optimizer):
-            if self._masters is not None:  # moved at the check (``_check_inf_per_device``) unless moved already
-                self._masters.check_untouched(optimizer)
-            retval = self._fused_step(optimizer, record, args, kwargs)
+            retval = self._fused_step(target, optimizer, record, args, kwargs)
         else:
             if record["stage"] is OptState.READY:
                 self.unscale_(optimizer)
-            if self._masters is not None:
-                self._masters.check_untouched(optimizer)
             if self._custom_opt_step:
-                retval = self._maybe_opt_step(optimizer, record, *args, **kwargs)  # type: ignore[arg-type]
-                stepped = self._masters is None or not record["found_inf"].item()
+                retval = self._maybe_opt_step(target, record, *args, **kwargs)  # type: ignore[arg-type]
+                stepped = self._masters.active and not record["found_inf"].item()
             else:
                 stepped = not record["found_inf"].item()
-                retval = optimizer.step(*args, **kwargs) if stepped else None
-        if self._masters is not None:
-            self._masters.finish(optimizer, stepped)
+                retval = target.step(*args, **kwargs) if stepped else None
+        self._masters.finish(optimizer, stepped)
         record["stage"] = OptState.STEPPED
         return retval
 
     def _fused_step(
-        self, optimizer: torch.optim.Optimizer, record: OptimizerRecord, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        target: Any,
+        optimizer: torch.optim.Optimizer,
+        record: OptimizerRecord,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
     ) -> Any:
         if fused.takes_grad_scaler_kwarg(optimizer):
             fused.warn_legacy_kwarg()
-            if self._masters is not None:
-                self._masters.gather(optimizer)
-            return optimizer.step(*args, **kwargs, grad_scaler=self)  # type: ignore[call-overload]
+            self._masters.move(optimizer)
+            return target.step(*args, **kwargs, grad_scaler=self)
         if record["stage"] is OptState.READY:
             self._check_inf_per_device(optimizer)
         found_inf = record["found_inf"]
@@ -350,7 +348,7 @@ class GradScaler(torch.amp.GradScaler):
         optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
         optimizer.found_inf = found_inf  # type: ignore[attr-defined]
         try:
-            return optimizer.step(*args, **kwargs)
+            return target.step(*args, **kwargs)
         finally:  # also when the step raised after its kernel ran (a step post-hook, a KeyboardInterrupt)
             del optimizer.grad_scale  # type: ignore[attr-defined]
             del optimizer.found_inf  # type: ignore[attr-defined]
@@ -370,6 +368,7 @@ class GradScaler(torch.amp.GradScaler):
         if not self._enabled:
             return
         scale, growth_tracker = self._check_scale_growth_tracker("update")
+        self._masters.end_iteration()
         if new_scale is not None:
             self._set_scale(scale, new_scale)
             self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
@@ -494,7 +493,7 @@ class GradScaler(torch.amp.GradScaler):
     def master_weights(self, optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(low-precision parameter, float32 master) for each master ``optimizer`` steps (``master_weights=True``;
         empty before the first ``unscale_``/``step`` of ``optimizer`` or without masters)."""
-        return [] if self._masters is None else self._masters.masters(optimizer)
+        return self._masters.masters(optimizer)
 
     def state_dict(self) -> dict[str, Any]:
         """torch's five entries plus this scaler's policy, trackers and counters; plain Python values."""
@@ -623,8 +622,7 @@ class GradScaler(torch.amp.GradScaler):
         seen = record.pop("grads_seen", None)  # checked once: our own clipping may write the gradients next
         if seen is not None and seen.changed(self._watched(optimizer)):
             record = self._per_optimizer_states[id(optimizer)] = _refresh_per_optimizer_state()
-            if self._masters is not None:  # the new gradients are moved into the masters afresh
-                self._masters.restart(optimizer)
+            self._masters.end(optimizer)  # the new gradients are moved into the masters afresh
         return record
 
     def _watch_unscaled(self) -> None:
@@ -632,53 +630,12 @@ class GradScaler(torch.amp.GradScaler):
         for record in self._per_optimizer_states.values():
             optimizer = record["optimizer"]() if "optimizer" in record else None
             if record["stage"] is OptState.UNSCALED and "grads_seen" not in record and optimizer is not None:
-                if self._masters is not None:  # the new backward must not add to the moved float16 gradients
-                    self._masters.release(optimizer)
                 record["grads_seen"] = stale.GradSnapshot(self._watched(optimizer))
 
     def _watched(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
         """The parameters whose gradients a new backward (or ``zero_grad``) changes: the optimizer's, and
         with masters the low-precision parameters the backward writes."""
-        params = self._params(optimizer)
-        return params if self._masters is None else params + self._masters.lows(optimizer)
-
-    # torch's private surface, with torch's meaning: Accelerate, Lightning, timm, FSDP's
-    # ShardedGradScaler and torch's own tests read or call these names.
-    @property
-    def _growth_factor(self) -> float:
-        return self._rule.growth_factor
-
-    @_growth_factor.setter
-    def _growth_factor(self, value: float) -> None:
-        self._rule = self._rule.with_changes(self._enabled, growth_factor=value)
-
-    @property
-    def _backoff_factor(self) -> float:
-        return self._rule.backoff_factor
-
-    @_backoff_factor.setter
-    def _backoff_factor(self, value: float) -> None:
-        self._rule = self._rule.with_changes(self._enabled, backoff_factor=value)
-
-    @property
-    def _growth_interval(self) -> int:
-        return self._rule.growth_interval
-
-    @_growth_interval.setter
-    def _growth_interval(self, value: int) -> None:
-        self._rule = self._rule.with_changes(self._enabled, growth_interval=value)
-        highest = self._rule.growth_interval - 1  # the rule grows when the tracker reaches the interval
-        self._init_growth_tracker = min(self._init_growth_tracker, highest)
-        if self._growth_tracker is not None:
-            self._growth_tracker.clamp_(max=highest)
-
-    def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
-        fix = "This may indicate your script did not use scaler.scale(loss or outputs) earlier in the iteration."
-        if self._scale is None:
-            raise AssertionError(f"Attempted {funcname} but _scale is None.  " + fix)
-        if self._growth_tracker is None:
-            raise AssertionError(f"Attempted {funcname} but _growth_tracker is None.  " + fix)
-        return self._scale, self._growth_tracker
+        return self._params(optimizer) + self._masters.lows(optimizer)
 
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
         if self._growth_tracker is not None:
@@ -691,38 +648,12 @@ class GradScaler(torch.amp.GradScaler):
             self._scale.device, self._history, self._init_counters, on_host=self._scale_on_host
         )
 
-    # A subclass that overrides torch's hooks ``_unscale_grads_`` / ``_maybe_opt_step`` (ShardedGradScaler
-    # style) has them called where torch's scaler calls them; otherwise the faster paths run.
-    @property
-    def _custom_unscale(self) -> bool:
-        return type(self)._unscale_grads_ is not GradScaler._unscale_grads_
-
-    @property
-    def _custom_opt_step(self) -> bool:
-        return type(self)._maybe_opt_step is not GradScaler._maybe_opt_step
-
-    def _unscale_grads_(
-        self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
-    ) -> dict[torch.device, torch.Tensor]:
-        """torch's: multiply the gradients by ``inv_scale`` in place; per-device flags seeded from ``found_inf``."""
-        return grads.unscale_and_check_(
-            grads.group_grads(self._params(optimizer), allow_fp16=allow_fp16), inv_scale, found_inf
-        )
-
-    def _maybe_opt_step(
-        self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any], *args: Any, **kwargs: Any
-    ) -> Any:
-        """torch's: ``optimizer.step`` unless a recorded per-device flag is nonzero (one sync per device)."""
-        if not sum(v.item() for v in optimizer_state["found_inf_per_device"].values()):
-            return optimizer.step(*args, **kwargs)
-        return None
-
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:  # type: ignore[override]
         self._check_scale_growth_tracker("_check_inf_per_device")
         record = self._per_optimizer_states[id(optimizer)]
         params = self._params(optimizer)
         agreement = self._agreement(optimizer, params)
-        moved = masters.NOTHING if self._masters is None else self._masters.gather(optimizer)  # flags in the move
+        moved = self._masters.move(optimizer)  # the masters' flags come from the move
         if self._custom_unscale:  # torch's hook with inv_scale 1, as torch calls it: every gradient
             ones = torch.ones((), dtype=torch.float32, device=self._scale.device)  # type: ignore[union-attr]
             flags = self._unscale_grads_(optimizer, ones, torch.zeros_like(ones), True)
@@ -731,14 +662,3 @@ class GradScaler(torch.amp.GradScaler):
             flags = grads.merge_flags(self._monitor.nonfinite_flags(optimizer, rest, not moved.owners), moved.flags)
         self._record_found_inf(optimizer, record, flags, agreement)
         return record["found_inf_per_device"]
-
-    def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:  # type: ignore[override]
-        return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-
-    def _get_scale_async(self) -> torch.Tensor | None:
-        return self._scale
-
-    def _get_growth_tracker(self) -> int:
-        if not self._enabled:
-            return 0
-        return self._init_growth_tracker if self._growth_tracker is None else int(self._growth_tracker.item())
