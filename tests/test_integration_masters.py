@@ -197,3 +197,50 @@ def test_hf_trainer_float16_model_trains_under_patch(tmp_path: Any) -> None:
     assert all(loss == loss for loss in losses)  # no NaN logged
     assert sum(losses[-5:]) < 0.8 * sum(losses[:5]), losses
     assert scaler.stats()["steps"] == 30
+
+
+def test_hf_trainer_leaves_a_dropped_layer_alone_on_the_steps_it_sits_out(tmp_path: Any) -> None:
+    """LayerDrop in the real Trainer (which clears gradients with ``model.zero_grad()``): the second
+    block is skipped on every other step, and on those steps its float16 weights must not move, as with
+    float32 weights or the recipe by hand (before, its master was stepped with the last gradient it had)."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    model = tiny_gpt2().to(torch.float16)
+    block = model.transformer.h[1]
+    calls = {"forward": 0}
+
+    def layerdrop(module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+        calls["forward"] += 1
+        if calls["forward"] % 2 == 1:
+            return output  # used
+        hidden = args[0] if args else kwargs["hidden_states"]
+        return (hidden, *output[1:]) if isinstance(output, tuple) else hidden  # dropped: no gradient
+
+    block.register_forward_hook(layerdrop, with_kwargs=True)
+    snapshots: list[list[torch.Tensor]] = []
+
+    class Snapshot(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            snapshots.append([p.detach().clone() for p in block.parameters()])
+
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 8, (4, 16), generator=g)
+    data = [{"input_ids": ids[i % 4], "labels": ids[i % 4]} for i in range(16)]
+    args = TrainingArguments(
+        output_dir=str(tmp_path), fp16=True, use_cpu=True, optim="adamw_torch", learning_rate=3e-3,
+        max_steps=8, per_device_train_batch_size=2, max_grad_norm=1.0, logging_steps=1, report_to=[],
+        save_strategy="no", disable_tqdm=True, seed=0, dataloader_num_workers=0,
+    )  # fmt: skip
+    with gradscaler.patch_torch(master_weights=True):
+        trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[Snapshot()])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        trainer.accelerator.native_amp = True
+        trainer.accelerator.scaler = scaler
+        trainer.train()
+    assert calls["forward"] == 8 and len(snapshots) == 8
+    assert scaler.stats()["skipped_steps"] == 0
+    for step in range(1, 8):
+        same = all(torch.equal(a, b) for a, b in zip(snapshots[step], snapshots[step - 1], strict=True))
+        assert same == (step % 2 == 1), f"step {step}: the block {'moved' if not same else 'stood still'}"
