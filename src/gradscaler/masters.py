@@ -304,9 +304,12 @@ class ZeroGradBoth:
                 continue
             if set_to_none:
                 pair.low.grad = None
+                continue
+            if grad.grad_fn is not None:
+                grad.detach_()
             else:
-                grad.detach_() if grad.grad_fn is not None else grad.requires_grad_(False)
-                grad.zero_()
+                grad.requires_grad_(False)
+            grad.zero_()
 
 
 class MasterWeights:
