@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from gradscaler import GradScaler
-from gradscaler.masters import SAVED_KEY
+from gradscaler.masters import SAVED_KEY, torch_clip_grad_norm_
 
 STEPS = 20
 INIT_SCALE = 2.0**24  # float16 gradients overflow for the first steps
@@ -336,16 +336,38 @@ def test_torchs_clipping_of_model_parameters_after_unscale_reaches_the_masters(n
     assert_same_run(trace, by_hand(name, clip=0.5))
 
 
-def test_after_unscale_the_model_gradients_are_none_not_scaled() -> None:
-    """As in the recipe by hand: the gradient is the master's now; nothing shows it still multiplied by S."""
+def test_after_unscale_the_model_gradients_show_unscaled_values_until_step() -> None:
+    """Not still multiplied by the scale: a per-layer norm logger over ``model.parameters()`` reads the
+    unscaled gradients (rounded to float16); ``step`` drops them, as the recipe by hand does at its move."""
     model, opt, _ = fresh("adamw_foreach")
     scaler = GradScaler("cpu", init_scale=4096.0, master_weights=True)
     one_backward(model, scaler)
     scaler.unscale_(opt)
-    assert model.fc1.weight.grad is None and model.fc2.bias.grad is None
-    master = dict(scaler.master_weights(opt))[model.fc1.weight]
-    assert master.grad is not None and master.grad.dtype == torch.float32
-    assert model.norm.weight.grad is not None  # float32 parameters keep theirs, unscaled
+    for low, master in scaler.master_weights(opt):
+        assert master.grad is not None and low.grad is not None
+        assert torch.equal(low.grad, master.grad.half())
+    scaler.step(opt)
+    assert model.fc1.weight.grad is None and model.norm.weight.grad is not None
+
+
+@pytest.mark.parametrize("how", ["clip_grad_value_", "bound_before", "clip_grad_module"])
+def test_other_writes_to_model_gradients_after_unscale_are_refused_with_the_fix(how: str) -> None:
+    """What would be silently lost is refused: a write the optimizer's step would not see."""
+    model, opt, _ = fresh("adamw_foreach")
+    scaler = GradScaler("cpu", init_scale=1.0, master_weights=True)  # a step that would apply
+    one_backward(model, scaler)
+    before = snapshot(model)
+    scaler.unscale_(opt)
+    if how == "clip_grad_value_":
+        torch.nn.utils.clip_grad_value_(model.parameters(), 1e-4)
+    elif how == "bound_before":  # torch's own function, bound before the scaler routed it
+        torch_clip_grad_norm_(model.parameters(), 1e-4)
+    else:
+        torch.nn.utils.clip_grad.clip_grad_norm_(model.parameters(), 1e-4)
+    with pytest.raises(ValueError, match=r"written after scaler\.unscale_.*scaler\.clip_grad_norm_") as caught:
+        scaler.step(opt)
+    assert "optimizer.param_groups[0]['params'][0] (shape (32, 16), torch.float16)" in str(caught.value)
+    assert_bits_equal(snapshot(model), before, "parameters")
 
 
 def test_patch_torch_master_weights_clips_model_parameters_through_the_masters() -> None:

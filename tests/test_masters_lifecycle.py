@@ -355,3 +355,39 @@ def test_a_copied_scaler_steers_the_original_optimizer() -> None:
     trace, expected = run(ours, range(6), new_trace()), run(reference, range(6), new_trace())
     ours.scaler = copy.deepcopy(ours.scaler)
     assert_same_trace(run(ours, range(6, STEPS), trace), run(reference, range(6, STEPS), expected))
+
+
+def test_saved_masters_that_no_longer_round_to_the_whole_parameter_are_not_used() -> None:
+    """A run without masters that changed only a few values of a tensor (a small learning rate) still
+    makes the saved masters of that tensor another state's: the resumed masters are the parameters'
+    values, as the recipe's copies would be, never the older masters."""
+    ours = Ours(Experts(), OPTIMIZERS["adamw_fused"])
+    run(ours, range(5), new_trace())
+    middle = Plain(Experts(seed=9), GradScaler("cpu", **SCALER_ARGS))
+    load(middle, save(ours))
+    for group in middle.optimizer.param_groups:
+        group["lr"] = 1e-5
+    before = {name: p.detach().clone() for name, p in middle.model.named_parameters()}
+    run(middle, range(5, 8), new_trace())  # the first of these steps is skipped (an overflow)
+    resumed = load(Ours(Experts(seed=9), OPTIMIZERS["adamw_fused"]), save(middle))
+    run(resumed, range(8, 9), new_trace(), pattern="no_step")  # binds; its only iteration ends without a step
+    names = {id(p): name for name, p in resumed.model.named_parameters()}
+    partly = 0
+    for low, master in resumed.scaler.master_weights(resumed.optimizer):
+        changed = int((low != before[names[id(low)]]).sum())
+        if 0 < changed < low.numel():
+            partly += 1
+            assert torch.equal(master, low.float())
+    assert partly > 0
+
+
+@pytest.mark.parametrize("optimizer_first", [False, True])
+def test_a_second_scaler_on_a_bound_optimizer_resumes_exactly(optimizer_first: bool) -> None:
+    ours, reference = both("adamw_foreach")
+    trace, expected = run(ours, range(6), new_trace()), run(reference, range(6), new_trace())
+    blob = save(ours)
+    run(ours, range(6, 9), new_trace())
+    ours.scaler = GradScaler("cpu", master_weights=True, **SCALER_ARGS)  # takes over the same optimizer
+    run(ours, range(9, 10), new_trace())
+    load(ours, blob, optimizer_first=optimizer_first)
+    assert_same_trace(run(ours, range(6, STEPS), trace), run(reference, range(6, STEPS), expected))

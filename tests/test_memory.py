@@ -13,8 +13,8 @@ from gradscaler.tools.toy_model import TinyGPT
 STRUCTURE = {
     ("float32 params + autocast", "AdamW"): (4, 4, 4, 0, 8),
     ("float32 params + autocast", "SGD momentum"): (4, 4, 4, 0, 4),
-    ("float16 params + master weights", "AdamW"): (2, 4, 4, 4, 8),
-    ("float16 params + master weights", "SGD momentum"): (2, 4, 4, 4, 4),
+    ("float16 params + master weights", "AdamW"): (2, 2 + 4, 4, 4, 8),  # unscale_ keeps the float16 ones
+    ("float16 params + master weights", "SGD momentum"): (2, 2 + 4, 4, 4, 4),
     ("float16 params, no masters (fused)", "AdamW"): (2, 2, 2, 0, 4),
     ("float16 params, no masters (fused)", "SGD momentum"): (2, 2, 2, 0, 2),
 }

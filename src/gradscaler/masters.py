@@ -9,18 +9,21 @@ master (a copy of its value); ``optimizer.state`` is then keyed by the masters, 
 optimizer keep working on the very object the user built.
 
 The lifecycle, all of it here; the scaler calls ``move`` at an optimizer's first ``unscale_``,
-``clip_grad_norm_`` or fused check of an iteration, ``finish`` at its ``step`` and ``end_iteration`` at
-``update`` (``end`` for one optimizer whose iteration a new backward replaced). Everything is derived
+``clip_grad_norm_`` or fused check of an iteration (``show`` at the end of the user's ``unscale_``),
+``before_step`` and ``finish`` around its ``optimizer.step``, ``end_iteration`` at ``update``,
+``release`` at a ``scale()`` that finds an iteration interrupted and ``end`` for one optimizer whose
+iteration a new backward replaced. Everything is derived
 from the model's own state at those points, whoever cleared or wrote what in between:
 
 * **Gradients.** ``move`` sets each master's gradient to its parameter's gradient in float32 (times the
   scaler's factor), or to None when the parameter has none, and drops the parameter's gradient (the
   recipe by hand: ``master.grad = p.grad.float() if p.grad is not None else None; p.grad = None``). One
   pass gives the move, the non-finite flag and, when clipping, the norms (``Moved``). So a parameter
-  that missed a step is not stepped, whichever ``zero_grad`` the loop calls; after ``unscale_`` the
-  model's float16 gradients are None, never still scaled; an iteration that ends at ``update()``
-  without ``step`` leaves nothing behind. ``optimizer.zero_grad()`` also clears the parameters'
-  gradients (a backward whose batch the loop dropped), as it would for float32 parameters.
+  that missed a step is not stepped, whichever ``zero_grad`` the loop calls, and an iteration that
+  ends at ``update()`` without ``step`` leaves nothing behind. After the user's own ``unscale_`` the
+  parameter's gradient is kept until ``step``, holding the unscaled value (``show``), and a write to
+  it that the step would not see is refused (``before_step``). ``optimizer.zero_grad()`` also clears
+  the parameters' gradients (a backward whose batch the loop dropped), as for float32 parameters.
 * **Values.** ``finish`` copies every master into its parameter after an applied step. Before a move,
   a parameter written since (version counter, or a new storage: ``p.data = ...``,
   ``vector_to_parameters``) refreshes its master wherever the parameter is not the master rounded. A
@@ -29,8 +32,9 @@ from the model's own state at those points, whoever cleared or wrote what in bet
 * **Checkpoints.** The optimizer's ``state_dict`` carries the masters: a post-hook adds, to each saved
   param group, the masters of its positions and their float32 state (the same tensors as in
   ``state``: ``torch.save`` stores them once). Torch keeps unknown group keys, so a checkpoint passed
-  through a run without masters still holds old ones: a saved master is used only where it rounds to
-  the parameter it is loaded for, and its saved state only where it rounds to the state loaded with it.
+  through a run without masters still holds old ones: a saved master is used only if it rounds to the
+  whole parameter it is loaded for, and its saved state only where it rounds to the state loaded with
+  it at the same step.
 * **Copies.** Each master names its parameter (``PARAM_ATTR``), so a pickled, saved or deep-copied
   (model, optimizer, scaler) binds the copied masters to the copied parameters at its first contact.
 """
@@ -53,6 +57,17 @@ SAVED_KEY = "gradscaler_master_weights"
 """The key the optimizer's ``state_dict`` post-hook adds to each saved param group (removed on load)."""
 PARAM_ATTR = "_gradscaler_param"
 """The attribute of a master naming its model parameter; it travels with pickles and deep copies."""
+HOOKS_ATTR = "_gradscaler_hooks"
+"""The attribute of a bound optimizer holding its state-dict hooks (left out of its pickles)."""
+
+WRITTEN_LOW_GRADS_MESSAGE = (
+    "The float16/bfloat16 gradient of {name} was written after scaler.unscale_(optimizer) moved it to its "
+    "float32 master, which is what the optimizer steps (a clipping over model.parameters() other than "
+    "torch.nn.utils.clip_grad_norm_, such as clip_grad_value_ or adaptive clipping, or a function bound "
+    "before the scaler's first step?). With master_weights=True that write would be lost. Call "
+    "scaler.clip_grad_norm_(optimizer, max_norm), or apply it to the optimizer's own parameters: "
+    "[p for g in optimizer.param_groups for p in g['params']] (the masters, whose gradients are stepped)."
+)
 
 INNER_OPTIMIZER_MESSAGE = (
     "master_weights=True cannot train {kind}: it steps its parameters through an optimizer of its own "
@@ -129,6 +144,8 @@ class Pair:
     low_version: int = -1
     low_storage: int | None = None
     pending: torch.Tensor | None = None  # a master value loaded from a checkpoint, checked at the next move
+    kept: torch.Tensor | None = None  # the parameter's gradient after the user's ``unscale_``, until ``step``
+    kept_version: int = 0
 
     def written(self) -> bool:
         """Whether the parameter may differ from its master rounded."""
@@ -220,14 +237,21 @@ def _copied_stats(
 
 
 def _master_of(param: torch.Tensor, saved: torch.Tensor | None) -> torch.Tensor:
-    """A float32 leaf copy of ``param`` on its device, holding the saved master value wherever that rounds
-    to the parameter (a resumed run keeps its precision; an edit since, or training without masters
-    since, is kept)."""
-    master = param.detach().to(device=param.device, dtype=torch.float32, copy=True)
-    if saved is not None and saved.shape == param.shape:
-        value = saved.detach().to(device=param.device, dtype=torch.float32)
-        master.copy_(torch.where(value.to(param.dtype) == param.detach(), value, master))
-    return master.requires_grad_(True)
+    """A float32 leaf copy of ``param`` on its device: the saved master value if it rounds to the whole
+    parameter (a resumed run keeps its precision), else the parameter's values (an edit since, or any
+    training without masters since, changed it: the saved master belongs to another state)."""
+    value = None if saved is None else _claims(saved, param)
+    master = param.detach() if value is None else value
+    return master.to(device=param.device, dtype=torch.float32, copy=True).requires_grad_(True)
+
+
+def _claims(saved: torch.Tensor, param: torch.Tensor) -> torch.Tensor | None:
+    """``saved`` as a float32 tensor on ``param``'s device if it rounds to ``param`` everywhere, else None
+    (one comparison, at a binding or a load only)."""
+    if saved.shape != param.shape:
+        return None
+    value = saved.detach().to(device=param.device, dtype=torch.float32)
+    return value if bool(torch.equal(value.to(param.dtype), param.detach())) else None
 
 
 def _state_for_master(
@@ -359,10 +383,12 @@ class MasterWeights:
         factor: torch.Tensor | None = None,
         norm_type: float | None = None,
         norm_inv: torch.Tensor | None = None,
+        keep: bool = False,
     ) -> Moved:
         """Bind ``optimizer`` (first contact, new low-precision parameters, copied masters) and, once per
         iteration, give each master its parameter's gradient in float32, times ``factor`` when given, or
-        None when the parameter has none; the parameter's gradient is dropped.
+        None when the parameter has none; the parameter's gradient is dropped, or with ``keep`` (the
+        user's own ``unscale_``, after which their code may read or write it) kept for ``show``.
 
         The same pass gives the non-finite flag of the moved gradients and, with ``norm_type``, their
         norms times ``norm_inv``: one read of 2 bytes and one write of 4 per value for dense gradients
@@ -386,7 +412,7 @@ class MasterWeights:
                 else:
                     moving.append((pair, pair.low.grad))
             joint = norm_type is not None and not _one_pass(optimizer, binding, moving)
-            result = self._move(moving, factor, None if joint else norm_type, norm_inv)
+            result = self._move(moving, factor, None if joint else norm_type, norm_inv, keep)
         binding.moved = True
         return Moved(result.flags, {}, {}, grads.new_groups()) if joint else result
 
@@ -396,6 +422,7 @@ class MasterWeights:
         factor: torch.Tensor | None,
         norm_type: float | None,
         norm_inv: torch.Tensor | None,
+        keep: bool,
     ) -> Moved:
         result = Moved({}, {}, {}, grads.new_groups())
         batches: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], ...]] = {}
@@ -413,11 +440,47 @@ class MasterWeights:
                 master.grad = grad.to(torch.float32, copy=True)
                 view = grads.checkable_view(master.grad)
                 result.add([master], [view], _copied_stats(view, factor, norm_type, norm_inv))
-            pair.low.grad = None
+            if keep and _dense(grad):
+                pair.kept = grad
+            else:
+                pair.low.grad = None
             _MOVED[pair.low] = master
         for src, dst, owners in batches.values():
             result.add(owners, dst, move_grads_(src, dst, factor, norm_type, norm_inv))
         return result
+
+    def show(self, optimizer: torch.optim.Optimizer) -> None:
+        """After the user's ``unscale_``: each kept float16 gradient takes its master's unscaled value, so
+        what ``model.parameters()`` show is never still multiplied by the scale (one write of 2 bytes
+        per value; only on this path). ``before_step`` refuses them written since."""
+        binding = self._bindings.get(optimizer)
+        if binding is None:
+            return
+        kept = [pair for pair in binding.pairs if pair.kept is not None and pair.master.grad is not None]
+        if kept:
+            with torch.no_grad():
+                torch._foreach_copy_([p.kept for p in kept], [p.master.grad for p in kept])  # type: ignore[misc]
+            for pair in kept:
+                pair.kept_version = pair.kept._version  # type: ignore[union-attr]
+
+    def before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Just before ``optimizer.step``: drop the kept float16 gradients; ``ValueError`` (the parameter
+        named, and the fix) if one was written since ``unscale_``, a change the step would not see."""
+        binding = self._bindings.get(optimizer)
+        if binding is None:
+            return
+        for number, pair in enumerate(binding.pairs):
+            kept, grad = pair.kept, pair.low.grad
+            if kept is not None and grad is not None and (grad is not kept or grad._version != pair.kept_version):
+                raise ValueError(WRITTEN_LOW_GRADS_MESSAGE.format(name=self._name(optimizer, pair, number)))
+        self._drop_kept(binding)
+
+    def release(self, optimizer: torch.optim.Optimizer) -> None:
+        """At ``scale()`` after an interrupted iteration: drop the kept float16 gradients, so the coming
+        backward writes them afresh instead of adding to them."""
+        binding = self._bindings.get(optimizer)
+        if binding is not None:
+            self._drop_kept(binding)
 
     def finish(self, optimizer: torch.optim.Optimizer, stepped: bool) -> None:
         """End ``optimizer``'s iteration at its step: copy the masters into the parameters if the step was
@@ -456,17 +519,36 @@ class MasterWeights:
     @staticmethod
     def _end(binding: Binding) -> None:
         binding.moved = False
+        MasterWeights._drop_kept(binding)
         for pair in binding.pairs:
             _MOVED.pop(pair.low, None)
 
     @staticmethod
+    def _drop_kept(binding: Binding) -> None:
+        """Drop each kept float16 gradient the parameter still holds (a new backward's is not touched)."""
+        for pair in binding.pairs:
+            if pair.kept is not None and pair.low.grad is pair.kept:
+                pair.low.grad = None
+            pair.kept = None
+
+    def _name(self, optimizer: torch.optim.Optimizer, pair: Pair, number: int) -> str:
+        for group_index, group in enumerate(optimizer.param_groups):
+            for index, param in enumerate(group["params"]):
+                if param is pair.master:
+                    return describe(group_index, index, pair.low)
+        return f"master {number}"
+
+    @staticmethod
     def _refresh(pair: Pair) -> None:
-        """Make the master the parameter's values wherever it does not round to them (a model load of the
-        same values keeps the master's precision; a loaded master counts where it rounds to the
-        parameter as it is now), and note the parameter's version and storage."""
-        source = pair.master if pair.pending is None else pair.pending
-        rounded = source.to(pair.low.dtype)
-        pair.master.copy_(torch.where(rounded != pair.low, pair.low.to(torch.float32), source))
+        """Make the master a loaded master value that rounds to the whole parameter as it is now, else the
+        parameter's values wherever the master does not round to them (a model load of the same values
+        keeps the master's precision), and note the parameter's version and storage."""
+        loaded = None if pair.pending is None else _claims(pair.pending, pair.low)
+        if loaded is not None:
+            pair.master.copy_(loaded)
+        else:
+            rounded = pair.master.to(pair.low.dtype)
+            pair.master.copy_(torch.where(rounded != pair.low, pair.low.to(torch.float32), pair.master))
         pair.pending = None
         pair.seen()
 
@@ -506,11 +588,14 @@ class MasterWeights:
                     binding.pairs.append(pair)
                     binding.by_master[id(pair.master)] = pair
                     self._owners[pair.low] = weakref.ref(optimizer)
-        if fresh:
+        if fresh:  # the hooks of an earlier binding (another scaler's) give way: one binding steers
+            for handle in vars(optimizer).pop(HOOKS_ATTR, []):
+                handle.remove()
             binding.hooks = [
                 optimizer.register_state_dict_post_hook(_save_masters(binding)),
                 optimizer.register_load_state_dict_post_hook(_load_masters(binding)),
             ]
+            setattr(optimizer, HOOKS_ATTR, binding.hooks)
             optimizer.zero_grad = ZeroGradBoth(optimizer, binding)  # type: ignore[method-assign]
             self._bindings[optimizer] = binding
         return binding
@@ -573,8 +658,17 @@ class NoMasters:
     def lows(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
         return []
 
-    def move(self, optimizer: torch.optim.Optimizer, *args: Any) -> Moved:
+    def move(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Moved:
         return NOTHING
+
+    def show(self, optimizer: torch.optim.Optimizer) -> None:
+        pass
+
+    def before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        pass
+
+    def release(self, optimizer: torch.optim.Optimizer) -> None:
+        pass
 
     def finish(self, optimizer: torch.optim.Optimizer, stepped: bool) -> None:
         pass
@@ -611,9 +705,9 @@ def _save_masters(binding: Binding) -> Callable[[torch.optim.Optimizer, dict[str
 
 def _load_masters(binding: Binding) -> Callable[[torch.optim.Optimizer], None]:
     """The ``load_state_dict`` post-hook of a bound optimizer: its groups hold the masters already, so the
-    loaded state kept float32; each saved master value is taken wherever it rounds to the parameter
-    (the model's checkpoint loaded first), and again at the next move against the parameter as it is
-    then (the model's checkpoint loaded after the optimizer's)."""
+    loaded state kept float32; each saved master value is taken if it rounds to the parameter
+    everywhere (the model's checkpoint loaded first), and again at the next move against the parameter as
+    it is then (the model's checkpoint loaded after the optimizer's)."""
 
     def hook(optimizer: torch.optim.Optimizer) -> None:
         with torch.no_grad():
@@ -626,8 +720,9 @@ def _load_masters(binding: Binding) -> Callable[[torch.optim.Optimizer], None]:
                     if pair is None or value.shape != pair.master.shape:
                         continue
                     pair.pending = value.detach().to(device=pair.master.device, dtype=torch.float32, copy=True)
-                    rounds = pair.pending.to(pair.low.dtype) == pair.low
-                    pair.master.copy_(torch.where(rounds, pair.pending, pair.master))
+                    loaded = _claims(pair.pending, pair.low)
+                    if loaded is not None:
+                        pair.master.copy_(loaded)
                     pair.low_version = -1
         MasterWeights._end(binding)
 

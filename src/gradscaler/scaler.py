@@ -111,6 +111,7 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
 
     # torch's class whose name this class stands for under ``patch_torch()`` (see ``__setstate__``).
     _torch_class: type = torch.amp.GradScaler
+    _in_step = False  # ``step`` calling ``unscale_``: no user code runs before the optimizer steps
 
     def __init__(
         self,
@@ -210,7 +211,8 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         """Divide ``optimizer``'s gradients by the scale in place and record whether any is non-finite.
 
         One read and one write of every gradient; no host sync. Call at most once per optimizer per
-        iteration, before ``step``. float16 gradients are refused (``ValueError``).
+        iteration, before ``step``. float16 gradients are refused (``ValueError``), unless
+        ``master_weights=True`` moves them to float32 masters (then they show the unscaled values).
         """
         if not self._enabled:
             return
@@ -221,13 +223,16 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         params = self._params(optimizer)
         agreement = self._agreement(optimizer, params)  # before any gradient is touched: a refusal changes nothing
         inv_scale = self._inv_scale()  # the masters' gradients: moved, checked (and unscaled) in one pass
-        moved = self._masters.move(optimizer, None if self._custom_unscale else inv_scale)
+        keep = not self._in_step  # the user's own call: the model's gradients show unscaled values until step
+        moved = self._masters.move(optimizer, None if self._custom_unscale else inv_scale, keep=keep)
         if self._custom_unscale:  # torch's hook, as torch's unscale_ calls it: every gradient, the masters' too
             per_device = self._unscale_grads_(optimizer, inv_scale, torch.zeros_like(inv_scale), False)
         else:
             groups = grads.group_grads(moved.rest(self._params(optimizer)), allow_fp16=False)
             per_device = grads.merge_flags(grads.unscale_and_check_(groups, inv_scale), moved.flags)
         self._record_found_inf(optimizer, record, per_device, agreement)
+        if keep:
+            self._masters.show(optimizer)
         record["stage"] = OptState.UNSCALED
 
     def clip_grad_norm_(
@@ -307,7 +312,12 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
             retval = self._fused_step(target, optimizer, record, args, kwargs)
         else:
             if record["stage"] is OptState.READY:
-                self.unscale_(optimizer)
+                self._in_step = True
+                try:
+                    self.unscale_(optimizer)
+                finally:
+                    self._in_step = False
+            self._masters.before_step(optimizer)
             if self._custom_opt_step:
                 retval = self._maybe_opt_step(target, record, *args, **kwargs)  # type: ignore[arg-type]
                 stepped = self._masters.active and not record["found_inf"].item()
@@ -329,9 +339,11 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         if fused.takes_grad_scaler_kwarg(optimizer):
             fused.warn_legacy_kwarg()
             self._masters.move(optimizer)
+            self._masters.before_step(optimizer)
             return target.step(*args, **kwargs, grad_scaler=self)
         if record["stage"] is OptState.READY:
             self._check_inf_per_device(optimizer)
+        self._masters.before_step(optimizer)
         found_inf = record["found_inf"]
         grad_scale: torch.Tensor | None
         if "grad_scale" in record:
@@ -630,6 +642,7 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         for record in self._per_optimizer_states.values():
             optimizer = record["optimizer"]() if "optimizer" in record else None
             if record["stage"] is OptState.UNSCALED and "grads_seen" not in record and optimizer is not None:
+                self._masters.release(optimizer)  # the new backward must not add to the kept float16 gradients
                 record["grads_seen"] = stale.GradSnapshot(self._watched(optimizer))
 
     def _watched(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
