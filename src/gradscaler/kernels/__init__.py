@@ -22,6 +22,10 @@ from typing import NamedTuple
 import torch
 
 
+class KernelUnavailableError(RuntimeError):
+    """A Triton kernel could not be compiled, loaded or launched (the cause is chained)."""
+
+
 class GradStats(NamedTuple):
     """Result of one read pass.
 
