@@ -5,7 +5,8 @@ On the CPU: ``TRITON_DEVICE_TYPES`` is widened to the CPU so that ``GRADSCALER_K
 Triton route there (the interpreter), then each failure is injected where Triton raises it: at the
 compile of the first launch (``PTXASError``, what a missing or broken ptxas gives), at the launch of
 the second kernel of a pass (a driver error, after the first kernel has run), and a compute capability
-below ``MIN_CAPABILITY``. Results are compared bit for bit with the torch path's.
+below ``MIN_CAPABILITY``. Results are compared bit for bit with the torch path's. On a CUDA machine
+the same tests run on the GPU, with the real kernels around the injected one.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from triton.runtime.errors import PTXASError  # noqa: E402
 
 from gradscaler.kernels import triton_move  # noqa: E402
 
-DEVICE = torch.device("cpu")
+DEVICE = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
 PTXAS = PTXASError("`ptxas` failed with error code 255\n`ptxas` stderr:\nptxas fatal : Value 'sm_70' is not defined")
 DRIVER = RuntimeError("Triton Error [CUDA]: device kernel image is invalid")
 
@@ -54,7 +55,7 @@ def triton_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def grads(dtype: torch.dtype) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(4)
-    tensors = [(torch.randn(s, generator=gen) * 300).to(dtype) for s in [(70_001,), (3, 5), (0,), (4_096,)]]
+    tensors = [(torch.randn(s, generator=gen) * 300).to(DEVICE, dtype) for s in [(70_001,), (3, 5), (0,), (4_096,)]]
     tensors[1][2, 2] = math.inf
     return tensors
 
@@ -98,13 +99,13 @@ def test_read_pass_falls_back_once(failure: str, norm_type: float | None, monkey
     failing = Failing(error, name)
     monkeypatch.setattr(module, name, failing)
     tensors = grads(torch.float32)
-    inv = torch.tensor(2.0**-8)
+    inv = torch.tensor(2.0**-8, device=DEVICE)
     expected = torch_path(lambda: kernels.grad_stats(tensors, norm_type, inv), monkeypatch)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         first = kernels.grad_stats(tensors, norm_type, inv)
         second = kernels.grad_stats(tensors, norm_type, inv)
-        moved = [torch.empty(t.shape) for t in tensors]  # the move falls back on the same device too
+        moved = [torch.empty(t.shape, device=DEVICE) for t in tensors]  # the move falls back on the same device too
         kernels.move_grads_([t.half() for t in tensors], moved, inv)
     same(first, expected)
     same(second, expected)
@@ -125,13 +126,13 @@ def test_move_falls_back_once_and_writes_every_value(
     failing = Failing(error, "_move_kernel")
     monkeypatch.setattr(triton_move, "_move_kernel", failing)
     src = grads(torch.float16)
-    factor, norm_inv = torch.tensor(2.0**-8), torch.tensor(2.0**-8)
-    reference = [torch.full(s.shape, 7.0) for s in src]
+    factor, norm_inv = torch.tensor(2.0**-8, device=DEVICE), torch.tensor(2.0**-8, device=DEVICE)
+    reference = [torch.full(s.shape, 7.0, device=DEVICE) for s in src]
     expected = torch_path(lambda: kernels.move_grads_(src, reference, factor, norm_type, norm_inv), monkeypatch)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         for _ in range(2):
-            dst = [torch.full(s.shape, 7.0) for s in src]
+            dst = [torch.full(s.shape, 7.0, device=DEVICE) for s in src]
             same(kernels.move_grads_(src, dst, factor, norm_type, norm_inv), expected)
             for out, ref in zip(dst, reference, strict=True):
                 assert torch.equal(out.view(torch.int32), ref.view(torch.int32))
@@ -150,7 +151,7 @@ def test_unsupported_architecture_never_launches(monkeypatch: pytest.MonkeyPatch
         warnings.simplefilter("always")
         for _ in range(2):
             same(kernels.grad_stats(tensors, 2.0), expected)
-        kernels.move_grads_([t.half() for t in tensors], [torch.empty(t.shape) for t in tensors], None)
+        kernels.move_grads_([t.half() for t in tensors], [torch.empty(t.shape, device=DEVICE) for t in tensors], None)
     assert failing.launches == 0
     one_warning(record, "compute capability 6.1", "7.0")
 
@@ -180,5 +181,5 @@ def test_other_errors_are_not_taken_for_a_broken_kernel(monkeypatch: pytest.Monk
     """Only a failing compile or launch sends a device to the torch path: a bad argument raises as it
     would without the fallback, and the device keeps its kernels."""
     with pytest.raises(ValueError, match="float16 or bfloat16"):
-        kernels.move_grads_([torch.ones(3)], [torch.empty(3)], None)
+        kernels.move_grads_([torch.ones(3, device=DEVICE)], [torch.empty(3, device=DEVICE)], None)
     assert not kernels._FALLBACK
