@@ -136,7 +136,8 @@ def grad_stats(grads: list[torch.Tensor], norm_type: float | None, inv_scale: to
 
     ``grads`` share one device and one real dtype (float16, bfloat16, float32 or float64); nothing is
     written. ``norm_type`` is a p > 0, ``inf``, or None (the flag alone). ``inv_scale`` is a 0-d
-    float tensor (any device; on the gradients' device it costs no copy), or None for 1. No host sync
+    float tensor (any device; on the gradients' device it costs no copy; the Triton kernels read it
+    as float32, as the scaler's ``1/S`` is), or None for 1. No host sync
     on CUDA; on the CPU one host read of the per-tensor results decides whether a tensor whose result
     overflowed must be read again (see ``torch_stats``).
     """
