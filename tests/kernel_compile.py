@@ -8,7 +8,10 @@ with and without the inverse scale or factor, aligned and unaligned tensors, one
 with the kernels replaced by recorders; each recorded launch goes through Triton's own binder (the
 signature, constexprs, alignment attributes and options a launch on a GPU would compile) and is
 compiled by ``triton.compile`` for each target through the bundled ptxas. Writes one JSON record per
-(specialization, target) to the path given.
+(specialization, target) to the path given. The binder and argument packing are Triton's internals
+(``create_function_from_signature``, ``JITFunction._pack_args``, as in Triton 3.9's
+``JITFunction.run``): a Triton that changes them fails this script loudly rather than compiling
+something else.
 
 Usage: python tests/kernel_compile.py OUT.json --targets 70,75,80 [--sass 90] [--modes 1]
 [--without-compile-options] (the last: launch as if ``triton_stats.COMPILE_OPTIONS`` were empty, to
