@@ -11,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 DEMO_STAMP := $(VENV)/.demo-installed
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench gpu-test clean
+.PHONY: demo test lint bench gpu-test gpu-check clean
 
 $(DEMO_STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,14 @@ bench: $(STAMP)
 # On a CUDA machine: the CUDA-marked tests must run, not skip.
 gpu-test: $(STAMP)
 	GRADSCALER_REQUIRE_CUDA=1 $(BIN)/python -m pytest -q -m cuda
+
+# On a CUDA machine: everything that needs a GPU into one folder ending with summary.md (under 10
+# minutes on one H100; benchmarks/gpu_run.sh lists the steps). Without a CUDA device: one line, exit 0.
+# Runs .venv's python when there is one, else python3 (GPU_PYTHON=... picks another: its torch must
+# be a CUDA build); GPU_CHECK_OUT picks the folder (default benchmarks/results/gpu-check-DATE).
+GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+gpu-check:
+	@PYTHON="$(GPU_PYTHON)" bash benchmarks/gpu_run.sh $(GPU_CHECK_OUT)
 
 clean:
 	rm -rf $(VENV) build dist .pytest_cache .mypy_cache .ruff_cache

@@ -1,16 +1,60 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: the CUDA tests, the kernel tests on the GPU, then the benchmark.
+# `make gpu-check`: everything that needs a CUDA device, in one call, into one folder ending with
+# summary.md. Without a CUDA device it prints one line and exits 0.
+#
 # Usage (repository root): bash benchmarks/gpu_run.sh [OUT_DIR]
+#   PYTHON       the interpreter (default python3); its torch must be a CUDA build
+#   BENCH_STEPS  timed steps per bench row (default 30)
+#   GPU_CHECK_FULL=1  also the Triton CHUNK/BLOCK sweep and the bench matrix (several more minutes)
+#
+# Steps (each one's output in OUT_DIR/<step>.log, exit codes and seconds in OUT_DIR/steps.tsv):
+#   cuda-tests    every test marked cuda, which must run, not skip (GRADSCALER_REQUIRE_CUDA=1):
+#                 tests/test_cuda.py (bit-identity with torch, no syncs, whole-step CUDA graph capture
+#                 and replay) and tests/test_cuda_kernels.py (kernels against torch's path bit for bit
+#                 on GPU memory, the fallback, the telemetry's pinned mirrors and events)
+#   gpu-tests     the kernel, move, fallback and differential suites with their tensors on the GPU
+#   bench         gradscaler bench: kernel, step, iteration, masters and memory sections
+#   demo          gradscaler demo --device cuda
 set -uo pipefail
-out=${1:-${OUT:-/tmp/gradscaler-gpu}}
+py=${PYTHON:-python3}
+if ! "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" >/dev/null 2>&1; then
+    version=$("$py" -c "import torch; print(torch.__version__)" 2>/dev/null || echo "not importable")
+    echo "gpu-check: skipped, no CUDA device visible to $py (torch $version)"
+    exit 0
+fi
+out=${1:-${OUT:-benchmarks/results/gpu-check-$(date -u +%Y-%m-%d)}}
 mkdir -p "$out"
+: >"$out/steps.tsv"
 export PYTHONPATH="$PWD/src:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/gpu.txt"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/gpu.txt"
-GRADSCALER_REQUIRE_CUDA=1 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
-    tests/test_cuda.py tests/test_kernels.py tests/test_differential.py -x -k "not transformer" \
-    2>&1 | tee "$out/tests.log" | tail -25
-python3 benchmarks/tune_kernel.py 2>&1 | tee "$out/tune.txt"
-python3 -m gradscaler bench --steps "${BENCH_STEPS:-40}" --warmup 5 --out "$out/bench.json" 2>&1 | tee "$out/bench.txt"
-# The matrix (issue 12): shapes x optimizers x clip with host time, and whole iterations at batch 1.
-python3 -m gradscaler bench --sections matrix --steps 11 --warmup 2 --out "$out/matrix.json" 2>&1 | tee "$out/matrix.txt"
+
+step() {  # step NAME TIMEOUT_S COMMAND...: run it, log it, record its exit code and duration
+    local name=$1 limit=$2
+    shift 2
+    local start=$SECONDS
+    echo "== $name: $*"
+    timeout "$limit" "$@" >"$out/$name.log" 2>&1
+    local rc=$?
+    printf '%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - start))" >>"$out/steps.tsv"
+    tail -n 3 "$out/$name.log"
+}
+
+{
+    nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv,noheader
+    "$py" -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__)"
+    echo "commit $(git describe --always --dirty 2>/dev/null || echo unknown)"
+} >"$out/env.txt" 2>&1
+cat "$out/env.txt"
+
+pytest_args=(-q -p no:cacheprovider -o addopts="-ra --strict-markers")
+step cuda-tests 300 env GRADSCALER_REQUIRE_CUDA=1 "$py" -m pytest "${pytest_args[@]}" -m cuda \
+    --junitxml="$out/cuda-tests.xml"
+step gpu-tests 300 "$py" -m pytest "${pytest_args[@]}" tests/test_kernels.py tests/test_move_kernel.py \
+    tests/test_kernel_fallback.py tests/test_differential.py -k "not transformer" --junitxml="$out/gpu-tests.xml"
+step bench 300 "$py" -m gradscaler bench --device cuda --sections kernel,step,iteration,masters,memory \
+    --steps "${BENCH_STEPS:-30}" --warmup 5 --out "$out/bench.json"
+step demo 300 "$py" -m gradscaler demo --device cuda --out "$out/demo" --no-progress
+if [ "${GPU_CHECK_FULL:-0}" = 1 ]; then
+    step tune 600 "$py" benchmarks/tune_kernel.py
+    step matrix 600 "$py" -m gradscaler bench --sections matrix --steps 11 --warmup 2 --out "$out/matrix.json"
+fi
+"$py" benchmarks/gpu_summary.py "$out"

@@ -277,3 +277,17 @@ def test_unscaled_norms_at_small_scales_and_values(impl, p: float, case: str, dt
     # float32 sums of 70_001 powers; for p < 1 their error grows by 1/p in the norm
     tolerance = 1e-5 if p in (2.0, math.inf) else 2e-5 if p >= 1 else 1e-4
     torch.testing.assert_close(stats.norms.double().cpu(), reference(tensors, p, 1.0 / scale), rtol=tolerance, atol=0)
+
+
+@pytest.mark.parametrize("p", [None, 2.0, math.inf], ids=str)
+def test_chunks_located_over_several_table_blocks(p: float | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``locate`` reads the chunk offsets TABLE_BLOCK at a time: with a block of 4, 11 tensors (and their
+    chunks) take three steps, the last one partial; each chunk must still find its own tensor."""
+    monkeypatch.setattr(triton_stats, "TABLE_BLOCK", 4)
+    tensors = grads(seed=8) + grads(seed=9)[:3]
+    stats = triton_stats.grad_stats(tensors, p, torch.tensor(0.5))
+    assert float(stats.nonfinite) == 0.0
+    if p is not None:
+        torch.testing.assert_close(stats.norms.double().cpu(), reference(tensors, p, 0.5), rtol=1e-5, atol=0)
+    tensors[-2].view(-1)[-1] = math.inf
+    assert float(triton_stats.grad_stats(tensors, p).nonfinite) == 1.0

@@ -9,6 +9,7 @@ copies bit for bit (clipping masters by hand reads those) and a float64 referenc
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -21,9 +22,21 @@ ROUTES = ["torch", pytest.param("triton", marks=pytest.mark.skipif(not triton_st
 SHAPES = [(300, 50), (7,), (0,), (70_001,), (3, 4, 5), (131_072,), (4_096,)]
 
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def on_the_device() -> Iterator[None]:
+    """Every tensor on the GPU where there is one (the Triton route compiles for it; the interpreter,
+    which reads CPU tensors, runs only where there is none)."""
+    torch.set_default_device(DEVICE)
+    yield
+    torch.set_default_device(None)
+
+
 def grads(dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(s, generator=g) * 3000).to(dtype) for s in SHAPES]
+    return [(torch.randn(s, generator=g, device="cpu") * 3000).to(DEVICE, dtype) for s in SHAPES]
 
 
 def recipe(src: list[torch.Tensor], inv_scale: torch.Tensor | None) -> tuple[list[torch.Tensor], float]:

@@ -12,14 +12,88 @@ without Triton, which reads nothing back to the host (the CPU path reads its res
 there). ``host_reads_free`` answers the same question for the scaler's telemetry, so under
 ``generic`` a CPU scaler keeps its counters with device ops too; ``tests/test_sync.py`` uses it to
 prove that the scaler's own code makes no host read.
+
+Never stranded: under ``auto``, a device whose compute capability is below ``MIN_CAPABILITY``, or on
+which a Triton kernel fails to compile, load or launch (no ptxas, an architecture Triton cannot
+target, a driver that refuses the module), takes the torch path for the rest of the process, after
+one ``KernelFallbackWarning`` naming the device and the cause. ``GRADSCALER_KERNEL=torch`` takes
+that path from the start without the warning; ``GRADSCALER_KERNEL=triton`` raises the failure.
 """
 
 from __future__ import annotations
 
 import os
+import threading
+import warnings
 from typing import NamedTuple
 
 import torch
+
+TRITON_DEVICE_TYPES = ("cuda",)
+"""Device types on which ``GRADSCALER_KERNEL=auto`` (the default) runs the Triton kernels."""
+MIN_CAPABILITY = (7, 0)
+"""The oldest CUDA compute capability the Triton kernels are compiled for (``tests/test_kernel_compile.py``
+compiles them for 7.0, 7.5, 8.0, 8.6, 8.9, 9.0 and 10.0); older devices take the torch path."""
+
+
+class KernelFallbackWarning(RuntimeWarning):
+    """A device takes the torch path because gradscaler's Triton kernels cannot run on it."""
+
+
+class KernelUnavailableError(RuntimeError):
+    """A Triton kernel could not be compiled, loaded or launched (the cause is chained)."""
+
+
+_FALLBACK: dict[torch.device, str] = {}
+"""Devices that take the torch path for the rest of the process, with the cause."""
+_SUPPORTED: set[torch.device] = set()
+"""Devices whose compute capability has been checked and found supported."""
+_LOCK = threading.Lock()
+
+
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    """The compute capability of a CUDA device; None for other devices."""
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+
+
+def fall_back(device: torch.device, cause: str) -> None:
+    """Send ``device`` to the torch path for the rest of the process; warn the first time only."""
+    with _LOCK:
+        if device in _FALLBACK:
+            return
+        _FALLBACK[device] = cause
+    warnings.warn(
+        f"gradscaler's Triton kernels cannot run on {device}: {cause}. The scaler uses torch's ops on "
+        "this device for the rest of the process: the same flags and unscaled values, norms equal to "
+        "rounding, slower passes. Set GRADSCALER_KERNEL=torch to choose torch's ops without this "
+        "warning, or GRADSCALER_KERNEL=triton to raise the error instead.",
+        KernelFallbackWarning,
+        stacklevel=3,
+    )
+
+
+def _triton_route(device: torch.device, choice: str) -> str | None:
+    """``"forced"`` (``GRADSCALER_KERNEL=triton``: failures raise), ``"auto"`` (failures fall back), or
+    None for the torch path."""
+    if choice == "triton":
+        return "forced"
+    if choice != "auto" or device.type not in TRITON_DEVICE_TYPES or device in _FALLBACK:
+        return None
+    from gradscaler.kernels import triton_stats
+
+    if not triton_stats.AVAILABLE:
+        return None
+    if device not in _SUPPORTED:
+        capability = _capability(device)
+        if capability is not None and tuple(capability) < MIN_CAPABILITY:
+            fall_back(
+                device,
+                f"its compute capability {capability[0]}.{capability[1]} is below "
+                f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}, the oldest the kernels are compiled for",
+            )
+            return None
+        _SUPPORTED.add(device)
+    return "auto"
 
 
 class GradStats(NamedTuple):
@@ -62,7 +136,8 @@ def grad_stats(grads: list[torch.Tensor], norm_type: float | None, inv_scale: to
 
     ``grads`` share one device and one real dtype (float16, bfloat16, float32 or float64); nothing is
     written. ``norm_type`` is a p > 0, ``inf``, or None (the flag alone). ``inv_scale`` is a 0-d
-    float tensor (any device; on the gradients' device it costs no copy), or None for 1. No host sync
+    float tensor (any device; on the gradients' device it costs no copy; the Triton kernels read it
+    as float32, as the scaler's ``1/S`` is), or None for 1. No host sync
     on CUDA; on the CPU one host read of the per-tensor results decides whether a tensor whose result
     overflowed must be read again (see ``torch_stats``).
     """
@@ -70,11 +145,16 @@ def grad_stats(grads: list[torch.Tensor], norm_type: float | None, inv_scale: to
         raise ValueError("grad_stats needs at least one tensor.")
     choice = os.environ.get("GRADSCALER_KERNEL", "auto")
     device = grads[0].device
-    if choice == "triton" or (choice == "auto" and device.type == "cuda"):
+    route = _triton_route(device, choice)
+    if route is not None:
         from gradscaler.kernels import triton_stats
 
-        if choice == "triton" or triton_stats.AVAILABLE:
+        try:
             return triton_stats.grad_stats(grads, norm_type, inv_scale)
+        except KernelUnavailableError as error:
+            if route == "forced":
+                raise
+            fall_back(device, str(error))
     from gradscaler.kernels import torch_stats
 
     return torch_stats.grad_stats(grads, norm_type, inv_scale, host=host_reads_free(device, choice))
@@ -100,13 +180,17 @@ def move_grads_(
     Triton passes sum the same float64 terms over the same chunks for every input dtype).
     """
     choice = os.environ.get("GRADSCALER_KERNEL", "auto")
-    if choice == "triton" or (choice == "auto" and src[0].device.type == "cuda"):
-        from gradscaler.kernels import triton_stats
+    device = src[0].device
+    route = _triton_route(device, choice)
+    if route is not None:
+        from gradscaler.kernels import triton_move
 
-        if choice == "triton" or triton_stats.AVAILABLE:
-            from gradscaler.kernels import triton_move
-
+        try:
             return triton_move.move_grads_(src, dst, factor, norm_type, norm_inv)
+        except KernelUnavailableError as error:
+            if route == "forced":
+                raise
+            fall_back(device, str(error))  # nothing is left half-done: the copy below rewrites every value
     torch._foreach_copy_(dst, src)
     stats = grad_stats(dst, norm_type, norm_inv) if norm_type is not None or factor is None else None
     if factor is not None:

@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import torch
 
-from gradscaler.kernels import GradStats, triton_stats
+from gradscaler.kernels import GradStats, moved, triton_stats
+
+MOVE_DTYPES = (torch.float16, torch.bfloat16)
+"""The gradient dtypes the move takes (those of parameters that get float32 masters)."""
 
 if triton_stats.AVAILABLE:
     import triton
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_tensors"])  # one compiled kernel for every tensor count
     def _move_kernel(
         src_table,
         dst_table,
@@ -78,20 +81,27 @@ def move_grads_(
     norm_inv: torch.Tensor | None = None,
 ) -> GradStats:
     """See ``gradscaler.kernels.move_grads_``; ``src`` and ``dst`` contiguous."""
+    if src[0].dtype not in MOVE_DTYPES:
+        raise ValueError(f"move_grads_ takes float16 or bfloat16 gradients, got {src[0].dtype}.")
     device = src[0].device
     flag = torch.zeros((), dtype=torch.float32, device=device)
     mode = triton_stats.mode_of(norm_type)
     p = float(norm_type or 0.0)
     acc = triton_stats.accumulator(src[0].dtype, mode)
-    factor = None if factor is None else factor.to(device, torch.float32, non_blocking=True)
-    norm_inv = None if norm_inv is None or mode == triton_stats.MODE_CHECK else norm_inv.to(device, non_blocking=True)
+    factor = None if factor is None else moved(factor, device, torch.float32)
+    if norm_inv is not None and mode != triton_stats.MODE_CHECK:
+        norm_inv = moved(norm_inv, device, torch.float32)
+    else:
+        norm_inv = None
     norms: list[torch.Tensor] = []
     step = triton_stats.MAX_TENSORS
     for i in range(0, len(src), step):
         part, out = src[i : i + step], dst[i : i + step]
         tables, targets = triton_stats.tables_for(part), triton_stats.tables_for(out)
         partial = torch.empty(tables.num_chunks if mode else 1, dtype=torch.float64, device=device)
-        _move_kernel[(tables.num_chunks,)](
+        triton_stats.launch(
+            _move_kernel,
+            (tables.num_chunks,),
             tables.table,
             targets.table,
             tables.offsets,
@@ -108,8 +118,9 @@ def move_grads_(
             HAS_NORM_INV=norm_inv is not None,
             CHUNK_SIZE=triton_stats.CHUNK,
             BLOCK_SIZE=triton_stats.BLOCK,
-            TABLE_BLOCK=triton.next_power_of_2(len(part) + 1),
+            TABLE_BLOCK=triton_stats.TABLE_BLOCK,
             num_warps=triton_stats.NUM_WARPS,
+            **triton_stats.COMPILE_OPTIONS,
         )
         if mode:
             norms.append(triton_stats.tensor_norms(partial, tables, len(part), p, mode, torch.float32))

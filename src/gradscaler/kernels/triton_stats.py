@@ -19,7 +19,7 @@ from collections import OrderedDict
 
 import torch
 
-from gradscaler.kernels import GradStats
+from gradscaler.kernels import GradStats, KernelUnavailableError, moved
 
 try:
     import triton
@@ -34,17 +34,32 @@ CHUNK = int(os.environ.get("GRADSCALER_CHUNK", 65536))
 BLOCK = int(os.environ.get("GRADSCALER_BLOCK", 4096))
 NUM_WARPS = int(os.environ.get("GRADSCALER_WARPS", 8))
 MAX_TENSORS = 2048
+TABLE_BLOCK = 1024
+"""Chunk offsets ``locate`` reads per step: two steps at ``MAX_TENSORS`` tensors, one below 1024."""
+RBLOCK = 256
+"""Partials the second launch reads per step."""
 MODE_CHECK, MODE_SQUARES, MODE_MAX, MODE_POWER = 0, 1, 2, 3
+MODES = (MODE_CHECK, MODE_SQUARES, MODE_MAX, MODE_POWER)
+"""Every MODE a launch can ask for (``mode_of``): the compile test enumerates these."""
+COMPILE_OPTIONS: dict[str, bool] = {"enable_fp_fusion": False}
+"""Compiler options of every launch of the package's kernels. Floating-point contraction off: a
+multiply followed by an add stays two roundings (no FMA), as in torch's ops and Triton's interpreter,
+whatever Triton's default is (on in 3.9, off from 3.10). The move kernel's norms equal the read
+pass's bit for bit only if neither contracts; ``tests/test_kernel_compile.py`` reads the PTX."""
 
 if AVAILABLE:
 
     @triton.jit
     def locate(table_ptr, offsets_ptr, num_tensors, CHUNK_SIZE: tl.constexpr, TABLE_BLOCK: tl.constexpr):
-        """This program's chunk: (its tensor's index in the table, first value's offset, values in it)."""
+        """This program's chunk: (its tensor's index in the table, first value's offset, values in it).
+        The chunk offsets are read TABLE_BLOCK at a time (one block up to TABLE_BLOCK tensors), so
+        one compiled kernel serves every tensor count."""
         pid = tl.program_id(0)
-        index = tl.arange(0, TABLE_BLOCK)
-        ends = tl.load(offsets_ptr + 1 + index, mask=index < num_tensors, other=2147483647)
-        tensor = tl.sum((ends <= pid).to(tl.int32), axis=0)
+        tensor = pid * 0
+        for start in range(0, num_tensors, TABLE_BLOCK):
+            index = start + tl.arange(0, TABLE_BLOCK)
+            ends = tl.load(offsets_ptr + 1 + index, mask=index < num_tensors, other=2147483647)
+            tensor += tl.sum((ends <= pid).to(tl.int32), axis=0)
         first = tl.load(offsets_ptr + tensor)
         numel = tl.load(table_ptr + num_tensors + tensor)
         base = (pid - first).to(tl.int64) * CHUNK_SIZE
@@ -78,7 +93,7 @@ if AVAILABLE:
         has_nan = tl.max((values != values).to(tl.int32), axis=0)
         return tl.where(has_nan > 0, tl.sum(values, axis=0), tl.max(values, axis=0))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_tensors"])  # one compiled kernel for every tensor count
     def _chunk_kernel(
         table_ptr,
         offsets_ptr,
@@ -149,6 +164,19 @@ if AVAILABLE:
         torch.bfloat16: tl.bfloat16,
         torch.float64: tl.float64,
     }
+
+
+def launch(kernel: object, grid: tuple[int, ...], *args: object, **kwargs: object) -> None:
+    """``kernel[grid](*args, **kwargs)``: Triton compiles it at its first launch with these
+    specializations, loads the module and launches. Any failure of that is a ``KernelUnavailableError``
+    naming the kernel and the cause (chained), on which ``kernels`` falls back to torch's ops."""
+    try:
+        kernel[grid](*args, **kwargs)  # type: ignore[index]
+    except Exception as error:
+        name = getattr(kernel, "__name__", type(kernel).__name__)
+        lines = str(error).strip().splitlines()
+        detail = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+        raise KernelUnavailableError(f"Triton could not compile or launch {name} ({detail})") from error
 
 
 class _Tables:
@@ -228,7 +256,7 @@ def grad_stats(grads: list[torch.Tensor], norm_type: float | None, inv_scale: to
     device = grads[0].device
     flag = torch.zeros((), dtype=torch.float32, device=device)
     mode = mode_of(norm_type)
-    inv = None if inv_scale is None or mode == MODE_CHECK else inv_scale.to(device, non_blocking=True)
+    inv = None if inv_scale is None or mode == MODE_CHECK else moved(inv_scale, device, torch.float32)
     norms = [
         _launch(part, table, mode, float(norm_type or 0.0), flag, inv)  # type: ignore[arg-type]
         for part, table in zip(parts, tables, strict=True)
@@ -243,7 +271,9 @@ def _launch(
     wide = dtype == torch.float64
     acc = accumulator(dtype, mode)
     partial = torch.empty(tables.num_chunks if mode != MODE_CHECK else 1, dtype=torch.float64, device=device)
-    _chunk_kernel[(tables.num_chunks,)](
+    launch(
+        _chunk_kernel,
+        (tables.num_chunks,),
         tables.table,
         tables.offsets,
         len(grads),
@@ -258,8 +288,9 @@ def _launch(
         ALIGNED=tables.aligned,
         CHUNK_SIZE=CHUNK,
         BLOCK_SIZE=BLOCK,
-        TABLE_BLOCK=triton.next_power_of_2(len(grads) + 1),
+        TABLE_BLOCK=TABLE_BLOCK,
         num_warps=NUM_WARPS,
+        **COMPILE_OPTIONS,
     )
     if mode == MODE_CHECK:
         return torch.empty(0, dtype=torch.float32, device=device)
@@ -278,5 +309,5 @@ def tensor_norms(
 ) -> torch.Tensor:
     """Launch 2: each tensor's norm from its chunks' ``partial`` terms, in a fixed order (``dtype``)."""
     norms = torch.empty(count, dtype=dtype, device=partial.device)
-    _tensor_kernel[(count,)](partial, tables.offsets, norms, p, MODE=mode, RBLOCK=256)
+    launch(_tensor_kernel, (count,), partial, tables.offsets, norms, p, MODE=mode, RBLOCK=RBLOCK, **COMPILE_OPTIONS)
     return norms
