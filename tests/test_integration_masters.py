@@ -165,23 +165,31 @@ def test_accelerate_float16_model_under_patch_equals_the_recipe_by_hand() -> Non
 transformers = pytest.importorskip("transformers")
 
 
-def trainer_half_run(tmp_path: Any, steps: int = 30) -> tuple[list[float], Any]:
-    """``Trainer(fp16=True)`` on a tiny GPT-2 cast to float16, its scaler built by torch's spelling."""
+def trainer_half_run(
+    tmp_path: Any,
+    steps: int = 30,
+    *,
+    model: nn.Module | None = None,
+    optim: str = "adamw_torch_fused",
+    init_scale: float = 2.0**16,
+    callbacks: tuple[Any, ...] = (),
+) -> tuple[list[float], Any]:
+    """``Trainer(fp16=True)`` on a tiny GPT-2 cast to float16 (or ``model``), its scaler built by torch's spelling."""
     from transformers import Trainer, TrainingArguments
 
-    model = tiny_gpt2().to(torch.float16)
+    model = tiny_gpt2().to(torch.float16) if model is None else model
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 8, (4, 16), generator=g)  # a few sequences, repeated: the loss can fall
     data = [{"input_ids": ids[i % 4], "labels": ids[i % 4]} for i in range(steps * 2)]
     args = TrainingArguments(
-        output_dir=str(tmp_path), fp16=True, use_cpu=True, optim="adamw_torch_fused", learning_rate=3e-3,
+        output_dir=str(tmp_path), fp16=True, use_cpu=True, optim=optim, learning_rate=3e-3,
         max_steps=steps, per_device_train_batch_size=2, max_grad_norm=1.0, logging_steps=1, report_to=[],
         save_strategy="no", disable_tqdm=True, seed=0, dataloader_num_workers=0,
     )  # fmt: skip
-    trainer = Trainer(model=model, args=args, train_dataset=data)
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=list(callbacks))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+        scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
     trainer.accelerator.native_amp = True
     trainer.accelerator.scaler = scaler
     trainer.train()
@@ -203,7 +211,7 @@ def test_hf_trainer_leaves_a_dropped_layer_alone_on_the_steps_it_sits_out(tmp_pa
     """LayerDrop in the real Trainer (which clears gradients with ``model.zero_grad()``): the second
     block is skipped on every other step, and on those steps its float16 weights must not move, as with
     float32 weights or the recipe by hand (before, its master was stepped with the last gradient it had)."""
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import TrainerCallback
 
     model = tiny_gpt2().to(torch.float16)
     block = model.transformer.h[1]
@@ -223,22 +231,10 @@ def test_hf_trainer_leaves_a_dropped_layer_alone_on_the_steps_it_sits_out(tmp_pa
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             snapshots.append([p.detach().clone() for p in block.parameters()])
 
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 8, (4, 16), generator=g)
-    data = [{"input_ids": ids[i % 4], "labels": ids[i % 4]} for i in range(16)]
-    args = TrainingArguments(
-        output_dir=str(tmp_path), fp16=True, use_cpu=True, optim="adamw_torch", learning_rate=3e-3,
-        max_steps=8, per_device_train_batch_size=2, max_grad_norm=1.0, logging_steps=1, report_to=[],
-        save_strategy="no", disable_tqdm=True, seed=0, dataloader_num_workers=0,
-    )  # fmt: skip
     with gradscaler.patch_torch(master_weights=True):
-        trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[Snapshot()])
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-        trainer.accelerator.native_amp = True
-        trainer.accelerator.scaler = scaler
-        trainer.train()
+        _, scaler = trainer_half_run(
+            tmp_path, 8, model=model, optim="adamw_torch", init_scale=2.0**10, callbacks=(Snapshot(),)
+        )
     assert calls["forward"] == 8 and len(snapshots) == 8
     assert scaler.stats()["skipped_steps"] == 0
     for step in range(1, 8):
