@@ -79,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     report.add_argument("log", help="the file JsonLinesLogger wrote")
     report.add_argument("--out", default=None, help="write the figure to this PNG (needs matplotlib)")
+    report.add_argument(
+        "--rank", type=int, default=None, help="read only this rank's records (a file several ranks wrote to)"
+    )
+    report.add_argument("--run", default=None, help="read only the records of this run id (a logger's `run`)")
     return parser
 
 
@@ -99,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "report":
-        return report_command(args.log, args.out)
+        return report_command(args.log, args.out, args.rank, args.run)
     _check_device(parser, args.device)
     if args.command == "bench":
         import torch
@@ -120,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return demo.main(args)
 
 
-def report_command(log: str, out: str | None) -> int:
+def report_command(log: str, out: str | None, rank: int | None = None, run: str | None = None) -> int:
     """``gradscaler report``: the text on stdout; a bad log is one line on stderr and exit status 1."""
     import gradscaler
     from gradscaler.reporting import PLOT_HINT
@@ -128,7 +132,7 @@ def report_command(log: str, out: str | None) -> int:
 
     drawable = out is not None and importlib.util.find_spec("matplotlib") is not None
     try:
-        result = gradscaler.report(log, out if drawable else None, progress=True)
+        result = gradscaler.report(log, out if drawable else None, progress=True, rank=rank, run=run)
     except LogError as error:
         print(f"gradscaler report: {log}: {error}", file=sys.stderr)
         return 1
