@@ -38,7 +38,11 @@ def test_bad_options_are_named(argv: list[str], message: str, capsys: pytest.Cap
 
 @pytest.mark.integration
 def test_short_demo_writes_table_figure_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    threads = torch.get_num_threads()
     assert cli.main(["demo", "--steps", "12", "--out", str(tmp_path), "--no-progress"]) == 0
+    assert torch.get_num_threads() == threads  # the demo's one thread on the CPU is given back
     out = capsys.readouterr().out
     assert "| fp16 + gradscaler |" in out and "tolerance 10%" in out
     assert "| fp16 parameters + master weights |" in out and "| fp16 parameters, no masters |" in out

@@ -50,6 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default=".", help="folder for gradscaler-demo.png and gradscaler-demo.json")
     demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     demo.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    demo.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=None,
+        help="CPU threads torch uses (default on the CPU: 1; the demo's matrices are small, and a second "
+        "thread gains little on a quiet machine but stalls at every barrier when other work competes)",
+    )
     bench = sub.add_parser(
         "bench",
         help="time torch.amp.GradScaler and gradscaler side by side",

@@ -96,6 +96,10 @@ class Setup:
 CPU = Setup(width=32, layers=2, heads=4, batch=16, context=32, steps=400, lr=1e-2, final_lr=1e-3)
 """Sized for a minute on two cores without AVX-512 (float16 products about ten times float32's cost)."""
 CUDA = Setup(width=64, layers=2, heads=4, batch=16, context=64, steps=600)
+CPU_THREADS = 1
+"""Threads on the CPU (``--threads`` changes it). The matrices are small: on 2 quiet cores without
+AVX-512 a second thread took the demo from 46 s to 40 s, but with other work on the machine torch's
+OpenMP barriers wait for a descheduled thread at every operation, and the same demo took 212 s."""
 LOSS_TOLERANCE = 0.10
 """The demo's stated tolerance: final loss of fp16 + gradscaler, and of fp16 parameters + master
 weights, within 10% of the fp32 run's (float16 rounding makes the trajectories differ step by step;
@@ -457,11 +461,23 @@ def json_safe(value: Any) -> Any:
 
 
 def main(args: Any) -> int:
-    """Entry point of ``gradscaler demo`` (arguments from ``gradscaler.tools.cli``)."""
+    """Entry point of ``gradscaler demo`` (arguments from ``gradscaler.tools.cli``); torch's thread count
+    is set for the demo (``--threads``, ``CPU_THREADS``) and given back after it."""
+    before = torch.get_num_threads()
+    try:
+        return _demo(args)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _demo(args: Any) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     setup = CUDA if device.type == "cuda" else CPU
     if args.steps:
         setup = replace(setup, steps=args.steps)
+    threads = getattr(args, "threads", None) or (CPU_THREADS if device.type == "cpu" else None)
+    if threads is not None:
+        torch.set_num_threads(threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print(
