@@ -13,7 +13,7 @@ import statistics
 import torch
 
 from gradscaler.kernels import triton_stats
-from gradscaler.tools.bench import gpt2_shapes, sleep_cycles
+from gradscaler.tools.harness import gpt2_shapes, sleep_cycles
 
 
 def median_ms(fn, reps: int = 40) -> float:

@@ -38,7 +38,11 @@ def test_bad_options_are_named(argv: list[str], message: str, capsys: pytest.Cap
 
 @pytest.mark.integration
 def test_short_demo_writes_table_figure_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    threads = torch.get_num_threads()
     assert cli.main(["demo", "--steps", "12", "--out", str(tmp_path), "--no-progress"]) == 0
+    assert torch.get_num_threads() == threads  # the demo's one thread on the CPU is given back
     out = capsys.readouterr().out
     assert "| fp16 + gradscaler |" in out and "tolerance 10%" in out
     assert "| fp16 parameters + master weights |" in out and "| fp16 parameters, no masters |" in out
@@ -90,3 +94,26 @@ def test_quick_matrix_reports_every_cell(tmp_path: Path, capsys: pytest.CaptureF
     assert all(c["ok"] for c in timed), [c["check"] for c in timed]  # same scales; bit-identical without clip
     assert all(c["step"]["ratio"] > 0 and c["host"]["ratio"] > 0 for c in timed)
     assert len(matrix["iteration"]) == 3 and all(0 < r["ours_step_share"] < 1 for r in matrix["iteration"])
+
+
+def test_demo_progress_shows_the_time_left(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The demo's time left counts the float16 runs at a float16 run's speed (ten times fp32's on AVX2)."""
+    from gradscaler.tools import demo
+
+    now = [0.0]
+    monkeypatch.setattr(demo.time, "perf_counter", lambda: now[0])
+    clock = demo.Progress(demo.RUNS, steps=10)
+    clock.start("fp32")
+    for _ in range(10):  # fp32: 0.01 s a step; the float16 runs' cost is not known yet
+        now[0] += 0.01
+        clock.step()
+    assert clock.left() is None
+    now[0] += 1.0  # the fp32 run's evaluation: not a step
+    begin = now[0]
+    clock.start("fp16, no scaling")
+    for _ in range(4):  # the first float16 run: 0.1 s a step, 4 of 10 done
+        now[0] += 0.1
+        clock.step()
+    assert clock.left() == pytest.approx(6 * 0.1 + 3 * 10 * 0.1)  # its 6 steps left, then three runs like it
+    demo._bar("fp16, no scaling", 4, 10, 2.5, begin, clock)
+    assert "4/10 loss 2.500  10.0 it/s  1s left, demo 4s" in capsys.readouterr().err

@@ -153,7 +153,7 @@ def test_whole_step_captures_in_a_cuda_graph(clip: bool, set_to_none: bool, monk
 def test_triton_kernel_reaches_bandwidth_target_shape() -> None:
     """Correctness of the Triton kernel at GPT-2-medium scale against float64 (timing is in bench)."""
     from gradscaler.kernels import triton_stats
-    from gradscaler.tools.bench import gpt2_shapes
+    from gradscaler.tools.harness import gpt2_shapes
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     grads = [torch.randn(s, device="cuda", generator=gen) for s in gpt2_shapes(1024, 24, 50257, 1024)]

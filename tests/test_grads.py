@@ -72,8 +72,11 @@ def test_fp16_gradients_are_refused_with_advice() -> None:
     opt = torch.optim.SGD([param], lr=0.1)
     scaler = GradScaler("cpu")
     scaler.scale(torch.ones(()))
-    with pytest.raises(ValueError, match=r"^Attempting to unscale FP16 gradients\. .*torch\.autocast"):
+    with pytest.raises(ValueError, match=r"^Attempting to unscale FP16 gradients\. .*torch\.autocast") as caught:
         scaler.unscale_(opt)
+    # both ways to train float16 parameters: the argument, and the one line for code one does not edit
+    assert "GradScaler(..., master_weights=True)" in str(caught.value)
+    assert "gradscaler.patch_torch(master_weights=True) before it builds its scaler" in str(caught.value)
     with pytest.raises(ValueError, match=r"^Attempting to unscale FP16 gradients\."):
         _torch_refuses(opt)
 

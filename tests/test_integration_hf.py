@@ -12,6 +12,7 @@ Accelerate and of the Trainer that runs afterwards is the CUDA path's, with auto
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any
 
@@ -276,3 +277,39 @@ def test_hf_trainer_skipped_steps_callback_with_torchs_scaler_says_to_patch_befo
 
     with pytest.raises(TypeError, match=r"call gradscaler\.patch_torch\(\) before Trainer\(\.\.\.\)"):
         trainer_run(torch.amp.GradScaler("cpu"), tmp_path, steps=2, callbacks=[SkippedStepsCallback()])
+
+
+def cpu_half_trainer(tmp_path: Any, recipe: bool, patched: bool = False) -> list[float]:
+    """A float16 tiny GPT-2 under ``Trainer(fp16=True)`` on the CPU; ``recipe``: docs/integrations.md's
+    way to train it there (the patch for the Trainer's clipping, CPU fp16 back on, a scaler with masters)."""
+    from transformers import Trainer, TrainingArguments
+
+    model = tiny_gpt2().to(torch.float16)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 8, (4, 16), generator=g)  # a few sequences, repeated: the loss can fall
+    data = [{"input_ids": ids[i % 4], "labels": ids[i % 4]} for i in range(40)]
+    args = TrainingArguments(
+        output_dir=str(tmp_path), fp16=True, use_cpu=True, optim="adamw_torch_fused", learning_rate=3e-3,
+        max_steps=20, per_device_train_batch_size=2, max_grad_norm=1.0, logging_steps=1, report_to=[],
+        save_strategy="no", disable_tqdm=True, seed=0, dataloader_num_workers=0,
+    )  # fmt: skip
+    with gradscaler.patch_torch(master_weights=True) if recipe or patched else contextlib.nullcontext():
+        trainer = Trainer(model=model, args=args, train_dataset=data)
+        assert trainer.accelerator.scaler is None and not trainer.accelerator.native_amp  # Accelerate's CPU fallback
+        if recipe:
+            trainer.accelerator.native_amp = True
+            trainer.accelerator.scaler = gradscaler.GradScaler("cpu", master_weights=True)
+        trainer.train()
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+@pytest.mark.parametrize("patched", [False, True], ids=["plain", "patched"])
+def test_trap_cpu_fp16_float16_model_trains_in_float16_unscaled_and_the_documented_recipe_trains_it(
+    tmp_path: Any, patched: bool
+) -> None:
+    """docs/integrations.md: on the CPU, ``fp16=True`` keeps a float32 model in float32, but a float16
+    model steps in float16 with no scaler (patched or not): it breaks within a few steps and logs loss 0.0."""
+    broken = cpu_half_trainer(tmp_path / "broken", recipe=False, patched=patched)
+    assert broken[-1] == 0.0 and broken[0] > 1.0, broken
+    trained = cpu_half_trainer(tmp_path / "trained", recipe=True)
+    assert all(0.0 < loss == loss for loss in trained) and sum(trained[-4:]) < 0.75 * sum(trained[:4]), trained

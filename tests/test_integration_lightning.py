@@ -6,6 +6,7 @@ simulated here. Each run is compared bit for bit with the same run using torch.a
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
@@ -166,3 +167,42 @@ def test_on_the_cpu_the_16_mixed_string_is_bf16_without_a_scaler_and_the_plugin_
     assert by_string._precision.precision == "bf16-mixed" and by_string._precision.scaler is None
     assert by_plugin._precision.precision == "16-mixed"
     assert type(by_plugin._precision.scaler) is gradscaler.GradScaler
+
+
+def half_fabric_losses(scaler: Any, steps: int = 25) -> tuple[list[float], Any]:
+    """A float16 model under ``Fabric(precision="16-true")``, one batch repeated (the loss can fall)."""
+    fabric = lightning.Fabric(accelerator="cpu", devices=1, precision="16-true")
+    module = mlp(0)
+    model, optimizer = fabric.setup(module, torch.optim.AdamW(module.parameters(), lr=1e-2))
+    x, y = regression_batches(1)[0]
+    losses = []
+    for _ in range(steps):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        fabric.backward(loss if scaler is None else scaler.scale(loss))
+        if scaler is None:
+            optimizer.step()
+        else:
+            scaler.step(optimizer)
+            scaler.update()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, model
+
+
+def test_16_true_builds_no_scaler_and_fabric_with_your_own_scaler_trains_a_float16_model() -> None:
+    """docs/integrations.md: ``precision="16-true"`` casts the model to float16 and builds no scaler, patched
+    or not (AdamW's float16 step is NaN at once); it refuses the MixedPrecision plugin; Fabric with a scaler
+    of your own, ``GradScaler("cpu", master_weights=True)``, trains the float16 model."""
+    for patched in (False, True):  # patch_torch patches when called: a handle made early would patch both
+        with gradscaler.patch_torch(master_weights=True) if patched else contextlib.nullcontext():
+            fabric = lightning.Fabric(accelerator="cpu", devices=1, precision="16-true")
+            assert getattr(fabric._precision, "scaler", None) is None
+            losses, model = half_fabric_losses(None, steps=3)
+        assert losses[0] == losses[0] and losses[1] != losses[1]  # NaN from the second step
+    with pytest.raises(ValueError, match=r"Received both `precision=16-true` and `plugins="):
+        lightning.Fabric(
+            accelerator="cpu", devices=1, precision="16-true", plugins=[FabricMixedPrecision("16-mixed", "cpu")]
+        )
+    losses, model = half_fabric_losses(gradscaler.GradScaler("cpu", master_weights=True))
+    assert all(p.dtype == torch.float16 and torch.isfinite(p).all() for p in model.parameters())
+    assert all(loss == loss for loss in losses) and losses[-1] < 0.5 * losses[0], losses

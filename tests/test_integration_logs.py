@@ -7,6 +7,7 @@ written by the real TensorBoard integrations and read back from the event files.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -113,3 +114,41 @@ def test_trainer_scale_log_callback_reaches_report_to_tensorboard(
     assert scalars(tmp_path / "tb", "train/amp/scale") == [(s, f32(scale)) for s, scale, _ in logged]
     assert scalars(tmp_path / "tb", "train/amp/skipped_steps") == [(s, float(n)) for s, _, n in logged]
     assert logged[-1][2] >= 1 and len({scale for _, scale, _ in logged}) > 1  # the scale moved and steps skipped
+
+
+def test_trainer_scale_log_callback_reaches_log_history_and_trainer_state_json(tmp_path: Path) -> None:
+    """What W&B, MLflow and the console show through the Trainer's reporters, and what a checkpoint
+    keeps: ``trainer.state.log_history`` and the saved ``trainer_state.json`` hold the scale at each log."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from gradscaler.frameworks import ScaleLogCallback
+
+    model = tiny_gpt2()
+    g = torch.Generator().manual_seed(1)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (24, 16), generator=g)]
+    scaler = gradscaler.GradScaler("cpu", **EARLY_OVERFLOW)
+    expected: dict[int, tuple[float, int]] = {}
+
+    class Recorder(TrainerCallback):  # type: ignore[misc]
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            expected[state.global_step] = (scaler.get_scale(), scaler.stats()["skipped_steps"])
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"), fp16=True, use_cpu=True, optim="adamw_torch_fused", learning_rate=1e-3,
+        max_steps=12, per_device_train_batch_size=2, max_grad_norm=1.0, logging_steps=3, report_to=[],
+        save_strategy="steps", save_steps=12, disable_tqdm=True, seed=0, dataloader_num_workers=0,
+    )  # fmt: skip
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[Recorder(), ScaleLogCallback()])
+    trainer.accelerator.native_amp = True
+    trainer.accelerator.scaler = scaler
+    trainer.train()
+    training_logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert [entry["step"] for entry in training_logs] == [3, 6, 9, 12]
+    for entry in training_logs:
+        assert (entry["amp/scale"], entry["amp/skipped_steps"]) == expected[entry["step"]], entry
+    assert all("amp/scale" not in entry for entry in trainer.state.log_history if "loss" not in entry)
+    saved = json.loads((tmp_path / "out" / "checkpoint-12" / "trainer_state.json").read_text())
+    keys = ("step", "loss", "amp/scale", "amp/skipped_steps")  # not grad_norm: NaN on a skipped step
+    saved_logs = [entry for entry in saved["log_history"] if "loss" in entry]
+    assert [[e[k] for k in keys] for e in saved_logs] == [[e[k] for k in keys] for e in training_logs]
+    assert training_logs[-1]["amp/skipped_steps"] >= 1 and len({e["amp/scale"] for e in training_logs}) > 1

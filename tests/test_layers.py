@@ -3,6 +3,8 @@
 Layers, lowest first, are in ``LAYERS`` (docs/architecture.md draws them). A module may import only
 from strictly lower layers, at module top (the optional Triton import in ``kernels/`` and the tools'
 lazy imports aside); the tools and the integrations may also import the package's public face.
+Within a layer (the files of ``tools/`` or ``kernels/``) no file imports itself back through others:
+``import_cycles`` follows every import of every file, lazy ones included.
 """
 
 from __future__ import annotations
@@ -89,6 +91,60 @@ def test_imports_only_go_down_and_only_scaler_touches_its_privates() -> None:
     assert layering_violations(SRC) == []
 
 
+def dotted_name(path: Path, root: Path) -> str:
+    """``tools/bench.py`` -> ``gradscaler.tools.bench``; ``tools/__init__.py`` -> ``gradscaler.tools``."""
+    parts = ["gradscaler", *path.relative_to(root).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """Each file's module -> the package's modules it imports, anywhere in the file.
+
+    ``from gradscaler.tools import bench`` counts as an import of ``gradscaler.tools.bench`` when that
+    is a file, else of ``gradscaler.tools``. A file's import of a package that encloses it is not an
+    edge: Python runs a package before any of its submodules, so a submodule importing names from
+    its own package (``kernels/torch_stats.py`` from ``gradscaler.kernels``) finds them defined.
+    """
+    modules = {dotted_name(path, root): path for path in root.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                    base = f"{anchor}.{base}" if base else anchor
+                for alias in node.names:
+                    targets.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
+        graph[name] = {t for t in targets if t in modules and t != name and not name.startswith(f"{t}.")}
+    return graph
+
+
+def import_cycles(root: Path) -> list[list[str]]:
+    """Every import circle in the package, each as the modules in import order, the first one repeated."""
+    graph = import_graph(root)
+    found: list[list[str]] = []
+    for start in sorted(graph):
+        stack: list[tuple[str, list[str]]] = [(start, [start])]
+        while stack:
+            node, trail = stack.pop()
+            for target in sorted(graph[node]):
+                if target == start:
+                    found.append([*trail, start])
+                elif target > start and target not in trail:  # each circle once, from its smallest name
+                    stack.append((target, [*trail, target]))
+    return found
+
+
+def test_no_module_imports_itself_back_through_others() -> None:
+    """The layers order modules of different layers; this also covers files of one layer (``tools/``)."""
+    assert import_cycles(SRC) == []
+
+
 @pytest.mark.parametrize(
     ("module", "line", "expected"),
     [
@@ -108,3 +164,32 @@ def test_the_check_fails_when_a_violation_is_reintroduced(
     (copy / module).write_text((copy / module).read_text(encoding="utf-8") + "\n" + line + "\n", encoding="utf-8")
     problems = layering_violations(copy)
     assert any(expected in problem for problem in problems), problems
+
+
+@pytest.mark.parametrize(
+    ("module", "line", "expected"),
+    [
+        (
+            "tools/bench_masters.py",
+            "def f():\n    from gradscaler.tools.bench import run",
+            ["gradscaler.tools.bench", "gradscaler.tools.bench_masters", "gradscaler.tools.bench"],
+        ),
+        (
+            "tools/toy_model.py",
+            "from gradscaler.tools import demo",
+            ["gradscaler.tools.demo", "gradscaler.tools.toy_model", "gradscaler.tools.demo"],
+        ),
+        ("rule.py", "import gradscaler.errors", []),
+    ],
+    ids=["lazy-import-in-tools", "from-package-import-module", "no-circle"],
+)
+def test_the_circle_check_fails_when_a_circle_is_reintroduced(
+    tmp_path: Path, module: str, line: str, expected: list[str]
+) -> None:
+    copy = tmp_path / "gradscaler"
+    for path in SRC.rglob("*.py"):
+        target = copy / path.relative_to(SRC)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(path.read_text(encoding="utf-8"), encoding="utf-8")
+    (copy / module).write_text((copy / module).read_text(encoding="utf-8") + "\n" + line + "\n", encoding="utf-8")
+    assert import_cycles(copy) == ([expected] if expected else [])

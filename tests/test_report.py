@@ -89,7 +89,7 @@ def test_a_file_with_two_runs_reports_the_last() -> None:
     second = list(lines(records(20, {4, 5}, growth_interval=10)))
     text = describe(summarise(first + second))
     assert text.startswith("2 of 20 steps skipped")
-    assert "holds 2 runs (steps restart at line 31)" in text
+    assert "holds 2 runs (the last begins at line 31)" in text
 
 
 def test_the_plot_keeps_a_bounded_number_of_buckets() -> None:

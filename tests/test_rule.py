@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from gradscaler.rule import SCALE_FLOOR, ScaleRule, update_scale_, update_scale_reference_
+from gradscaler.rule import SCALE_FLOOR, ScaleRule, set_scale_, update_scale_, update_scale_reference_
 
 
 def trajectory(rule: ScaleRule, flags: list[bool], init: float = 8.0, reference: bool = False) -> list[float]:
@@ -85,6 +85,24 @@ def test_kernel_and_reference_agree_on_random_sequences(seed: int) -> None:
 def test_rule_rejects_bad_settings(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ScaleRule(**kwargs)
+
+
+@pytest.mark.parametrize("value", [1e300, float("inf"), float("nan"), -1.0, 0.0])
+def test_a_device_scale_keeps_its_value_when_the_new_one_does_not_fit_float32(value: float) -> None:
+    """The no-sync branch (a scale on a GPU, here a CPU tensor read as if it were one): a float64 value
+    that float32 cannot hold leaves the scale, where it became inf and then the ceiling."""
+    scale = torch.tensor(512.0)
+    set_scale_(scale, torch.tensor(value, dtype=torch.float64), ScaleRule(), on_host=False)
+    assert scale.item() == 512.0
+    set_scale_(scale, torch.tensor(2.0**20, dtype=torch.float64), ScaleRule(), on_host=False)
+    assert scale.item() == 2.0**20
+
+
+def test_a_tiny_positive_new_scale_goes_to_the_floor_on_the_host_and_on_a_device() -> None:
+    for on_host in (True, False):
+        scale = torch.tensor(512.0)
+        set_scale_(scale, torch.tensor(1e-300, dtype=torch.float64), ScaleRule(), on_host=on_host)
+        assert scale.item() == SCALE_FLOOR
 
 
 # Validation in one place: whatever the constructor or a setter accepts, its own state_dict loads.

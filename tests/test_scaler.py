@@ -172,6 +172,22 @@ def test_update_accepts_float_int_and_tensor() -> None:
     assert scaler.get_scale() == 256.0
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [torch.tensor(1e300, dtype=torch.float64), 1e300, torch.tensor(3.5e38, dtype=torch.float64), 10**400],
+    ids=["fp64-tensor-1e300", "float-1e300", "fp64-tensor-past-fp32-max", "int-past-fp64"],
+)
+def test_update_refuses_a_finite_value_no_float32_holds(bad: float | int | torch.Tensor) -> None:
+    """Issue 25 item 5: torch's RuntimeError (OverflowError for the int) became a ValueError naming the value."""
+    model, _, scaler = setup()
+    backward(model, scaler)
+    scaler.update(512.0)
+    with pytest.raises(ValueError, match=r"new_scale must be a finite number > 0") as caught:
+        scaler.update(bad)
+    assert (repr(bad) if not isinstance(bad, int) else "1000000") in str(caught.value)
+    assert scaler.get_scale() == 512.0
+
+
 def test_getters_and_setters() -> None:
     scaler = GradScaler("cpu", 2.0**10, 3.0, 0.25, 7)
     assert (scaler.get_growth_factor(), scaler.get_backoff_factor(), scaler.get_growth_interval()) == (3.0, 0.25, 7)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from gradscaler.scalerlog import CLUSTER, LONG_SKIP_RUN, LogSummary
+from gradscaler.scalerlog import CLUSTER, LONG_SKIP_RUN, LogSummary, writer_name
 
 
 def _scale(value: float) -> str:
@@ -80,9 +80,10 @@ def backoff_pattern(s: LogSummary) -> str | None:
     if s.clusters:
         c = s.clusters[0]
         others = f" ({s.cluster_count - 1} more cluster{'s' * (s.cluster_count != 2)})" if s.cluster_count > 1 else ""
+        fell = "" if math.isnan(c.scale_before) else f"from {_scale(c.scale_before)} "  # unknown at a log's start
         return (
             f"Clustered backoffs: {c.count} backoffs between steps {c.first} and {c.last} with no growth between "
-            f"them; the scale fell from {_scale(c.scale_before)} to {_scale(c.scale_after)}{others}. The gradients "
+            f"them; the scale fell {fell}to {_scale(c.scale_after)}{others}. The gradients "
             "grew suddenly there: that points to the data (a bad batch) or the learning rate (a spike), not to "
             f"the scaler. Look at the loss and the batches around step {c.first}."
         )
@@ -135,7 +136,10 @@ def describe(s: LogSummary) -> str:
         f"{_scale(s.scale_high)}); {s.total('growths')} growths, {s.total('backoffs')} backoffs.",
     ]
     if s.names:
-        more = f" and {s.more_names} more" if s.more_names else ""
+        others = len(s.names) - min(len(s.names), 5)  # named in the log, not in this line
+        more = f" and {others} more" if others else ""
+        if s.more_names:  # a record names 20 at most, and counts the rest
+            more += f"; up to {s.more_names} more in one step, not named"
         lines.append(f"Non-finite gradients most often in: {_names(s.names, 5)}{more}.")
     elif s.version < 2:
         lines.append("Parameters are not named in this log (gradscaler 0.1.0): skips are read from the counters.")
@@ -145,7 +149,9 @@ def describe(s: LogSummary) -> str:
             f"({s.norms} records" + (f", {s.norm_nonfinite} non-finite)" if s.norm_nonfinite else ")")
         )
     if s.runs > 1:
-        lines.append(f"The file holds {s.runs} runs (steps restart at line {s.run_line}); this covers the last.")
+        lines.append(f"The file holds {s.runs} runs (the last begins at line {s.run_line}); this covers the last.")
+    if s.others:
+        lines.append(f"Only the records of {writer_name(s.writer)}: {s.others} records of other writers were left out.")
     if s.truncated:
         lines.append("The last line is cut off (a run stopped mid-write, or still writing): it was left out.")
     findings = diagnose(s)

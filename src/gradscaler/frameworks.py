@@ -224,7 +224,10 @@ def _scale_log_callback_class() -> type:
 
         ``Trainer(..., callbacks=[ScaleLogCallback()])``. Every training log (``logging_steps``)
         then carries them to the ``report_to`` integrations (TensorBoard and W&B write them as
-        ``train/amp/scale``) and to the console. The Trainer calls the integrations before the
+        ``train/amp/scale``), to the console, and to ``trainer.state.log_history`` (so to
+        ``trainer_state.json`` in each checkpoint): the Trainer appends a copy of the log to the
+        history before the callbacks see it, so this callback adds the values to that entry too.
+        The Trainer calls the integrations before the
         callbacks a user passes, so this callback moves itself to the front of the Trainer's callback
         list (at ``on_init_end`` and ``on_train_begin``). One device read per log (``stats()``), where
         the Trainer reads the loss anyway. Reads the scaler of the Trainer's optimizer
@@ -250,7 +253,12 @@ def _scale_log_callback_class() -> type:
             scaler = getattr(kwargs.get("optimizer"), "scaler", None)
             if logs is None or scaler is None or "loss" not in logs:  # training logs only
                 return
-            logs.update(amp_logs(scaler))
+            values = amp_logs(scaler)
+            history = state.log_history
+            # Trainer.log appends {**logs, "step": global_step} and then calls on_log with logs.
+            if history and history[-1].get("step") == state.global_step and history[-1].get("loss") == logs["loss"]:
+                history[-1].update(values)
+            logs.update(values)
 
     ScaleLogCallback.__module__ = __name__
     ScaleLogCallback.__qualname__ = "ScaleLogCallback"

@@ -40,7 +40,9 @@ FP16_GRADS_MESSAGE = (
     "Attempting to unscale FP16 gradients. The parameters themselves are float16, so their gradients "
     "are too, and unscaling them in float16 loses the small values loss scaling exists to keep. Keep "
     "the parameters in float32 and let torch.autocast run the forward pass in float16, or keep them in "
-    "float16 and train them through float32 master weights: GradScaler(..., master_weights=True)."
+    "float16 and train them through float32 master weights: GradScaler(..., master_weights=True), or, "
+    "for code you do not edit (a Trainer, a script that builds torch's scaler), the one line "
+    "gradscaler.patch_torch(master_weights=True) before it builds its scaler."
 )
 
 

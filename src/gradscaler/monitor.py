@@ -19,6 +19,7 @@ import copy
 import json
 import math
 import os
+import uuid
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping
@@ -354,16 +355,38 @@ class JsonLinesLogger:
       (NaN or Infinity on an overflowing step; the last clipped optimizer's when several were).
     * ``policy``: on the first record and after any change, ``growth_factor``, ``backoff_factor``,
       ``growth_interval``, ``hysteresis``, ``min_scale``, ``max_scale`` (null when unset).
+    * ``rank`` and ``run``: the writer, so that a reader tells apart records that two writers put in
+      one file: the process's rank under ``torch.distributed`` (else 0) and this logger's ``run``, a
+      random id made when it is created.
 
-    Readers should ignore keys they do not know; 0.1.0 logs hold the first seven fields only.
+    Under ``torch.distributed`` with several ranks, each rank writes its own file (``per_rank``, the
+    default): rank 0 ``path`` itself, rank r ``<stem>.rank<r><suffix>`` beside it
+    (``scaler.rank1.jsonl``); ``file`` is the one written, settled at the first record (the process
+    group may be created after the logger). ``per_rank=False``: every rank appends to ``path``, and
+    ``gradscaler report --rank R`` reads one rank's records. Readers should ignore keys they do not
+    know; 0.1.0 logs hold the first seven fields only.
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, per_rank: bool = True) -> None:
         self.path = Path(path)
+        self.per_rank = per_rank
+        self.run = uuid.uuid4().hex[:12]
+        self.rank: int | None = None
+        self.file: Path | None = None
 
     def __call__(self, record: dict[str, Any]) -> None:
-        with self.path.open("a", encoding="utf-8") as handle:
-            handle.write(json.dumps(record) + "\n")
+        if self.file is None:
+            self.rank, self.file = self._writer()
+        with self.file.open("a", encoding="utf-8") as handle:
+            handle.write(json.dumps({**record, "rank": self.rank, "run": self.run}) + "\n")
+
+    def _writer(self) -> tuple[int, Path]:
+        """This process's rank and the file it writes (docs/log-format.md, "Several writers")."""
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        rank = torch.distributed.get_rank() if distributed else 0
+        if not self.per_rank or rank == 0:
+            return rank, self.path
+        return rank, self.path.with_name(f"{self.path.stem}.rank{rank}{self.path.suffix}")
 
 
 TENSORBOARD_KEYS = ("scale", *COUNTERS, "grad_norm")

@@ -7,7 +7,6 @@ extra) is imported when a figure is drawn, as ``frameworks`` imports transformer
 
 from __future__ import annotations
 
-import itertools
 import sys
 import time
 from dataclasses import dataclass
@@ -36,7 +35,14 @@ class Report:
         return self.text
 
 
-def report(path: str | Path, out: str | Path | None = None, *, progress: bool = False) -> Report:
+def report(
+    path: str | Path,
+    out: str | Path | None = None,
+    *,
+    progress: bool = False,
+    rank: int | None = None,
+    run: str | None = None,
+) -> Report:
     """Read a ``JsonLinesLogger`` log and say what happened to the scale; draw it to ``out`` (PNG) if given.
 
     The text opens with "N of M steps skipped", names the parameters whose gradients were non-finite
@@ -45,14 +51,18 @@ def report(path: str | Path, out: str | Path | None = None, *, progress: bool = 
     the learning rate), a scale held at ``max_scale``. The figure: the scale over steps (log axis,
     skipped steps, growths, the policy's bounds), the clipping norm when logged, the parameters that
     overflowed most. The file is streamed in constant memory; ``progress=True`` prints a progress
-    line on stderr. Logs of gradscaler 0.1.0 (seven keys) read too, without parameter names.
+    line on stderr. Logs of gradscaler 0.1.0 (seven keys) read too, without parameter names. A log
+    still being written reads up to its last complete record. ``rank`` / ``run``: read only that
+    writer's records, in a file that several wrote to (docs/log-format.md).
 
     Returns a ``Report`` (``text``, ``steps``, ``skipped``, ``offenders``, ``findings``, ``figure``).
-    Raises ``ValueError`` for a file that is not a scaler log (empty, not JSON lines), ``OSError``
-    when it cannot be read, ``ModuleNotFoundError`` when ``out`` is given and matplotlib is missing.
+    Raises ``ValueError`` (one line, with the line number and the field) for a file that is not a
+    scaler log: empty, not JSON lines, a value no logger writes, several writers' records mixed;
+    ``OSError`` when it cannot be read, ``ModuleNotFoundError`` when ``out`` is given and matplotlib
+    is missing.
     """
     ticker = _Progress(Path(path).name) if progress else None
-    summary = summarise_file(path, ticker)
+    summary = summarise_file(path, ticker, rank=rank, run=run)
     if ticker is not None:
         ticker.finish(summary.records)
     figure = None
@@ -145,12 +155,11 @@ def _scale_panel(ax: Any, s: LogSummary) -> None:
             label=f"skipped ({s.total('skipped_steps')})",
         )
     if s.span == 1:  # one bucket per record: mark each event where it happened
-        ups = [(b.last, b.scale) for b in buckets if b.growths]
-        downs = [(b.last, before.scale) for before, b in itertools.pairwise(buckets) if b.backoffs]
-        for points, marker, color, what in ((ups, "^", "green", "growths"), (downs, "v", "darkorange", "backoffs")):
+        for what, (points, label) in events(s).items():
             if points:
+                marker, color = ("^", "green") if what == "growths" else ("v", "darkorange")
                 x, y = zip(*points, strict=True)
-                ax.scatter(x, y, marker=marker, s=22, color=color, zorder=3, label=f"{what[:-1]} ({s.total(what)})")
+                ax.scatter(x, y, marker=marker, s=22, color=color, zorder=3, label=label)
     policy = s.policy or {}
     for key, style in (("max_scale", "--"), ("min_scale", ":")):
         bound = policy.get(key)
@@ -159,6 +168,26 @@ def _scale_panel(ax: Any, s: LogSummary) -> None:
     ax.set_yscale("log", base=2)
     ax.set(title="loss scale after each update", xlabel="step", ylabel="scale (log2 axis)")
     ax.legend(fontsize=8, loc="best")
+
+
+def events(s: LogSummary) -> dict[str, tuple[list[tuple[int, float]], str]]:
+    """The growths' and backoffs' markers (step, scale before the change) and their legend labels.
+
+    A marker per record that holds one; the label counts the events, and says so when a record (a log
+    written ``every=N``) holds several.
+    """
+    out = {}
+    for what in ("growths", "backoffs"):
+        points: list[tuple[int, float]] = []
+        count = 0
+        for i, b in enumerate(s.buckets):
+            n = getattr(b, what)
+            if n:  # drawn at the scale it changed from; the first record's is not in the log
+                points.append((b.last, s.buckets[i - 1].scale if i else b.scale))
+                count += n
+        label = f"{what[:-1]} ({count})" if count == len(points) else f"{what} ({count}, in {len(points)} records)"
+        out[what] = (points, label)
+    return out
 
 
 def _norm_panel(ax: Any, s: LogSummary) -> None:

@@ -41,7 +41,11 @@ def real_number(name: str, value: Any) -> float:
     """``value`` as a float when it is a real number (int, float, NumPy scalar; not bool or tensor)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number (int or float), got {type(value).__name__} {value!r}.")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an int past float64's range: infinite, refused by every caller's range check
+        huge: Any = value  # a Real, which typeshed does not order against 0
+        return math.inf if huge > 0 else -math.inf
 
 
 def integer(name: str, value: Any, low: int, high: int) -> int:
@@ -184,18 +188,31 @@ def _float32_toward(value: float, direction: int) -> float:
 def set_scale_(scale: torch.Tensor, new_scale: Any, rule: ScaleRule, on_host: bool) -> None:
     """Set ``scale`` in place to ``new_scale`` (a number, or a 1-element tensor), moved into the bounds.
 
-    NaN, inf and values <= 0 raise ``ValueError`` and change nothing; except a tensor when reading it
-    would cost a host sync (``on_host`` False: the scale on a GPU), which leaves the scale as it was.
+    NaN, inf, values <= 0 and values past float32's largest (a float64 1e300: finite, but no float32
+    holds it) raise ``ValueError`` and change nothing; except a tensor when reading it would cost a
+    host sync (``on_host`` False: the scale on a GPU), which leaves the scale as it was.
     """
     if isinstance(new_scale, torch.Tensor):
         value = new_scale.detach().reshape(())
         if on_host:  # reading it is free: refused as a float would be
-            scale.fill_(positive_finite("new_scale", value.item()))
+            scale.fill_(_storable_scale(new_scale, value.item()))
         else:
-            scale.copy_(torch.where(torch.isfinite(value) & (value > 0), value.to(scale.dtype), scale))
+            stored = value.to(scale.dtype)  # past float32's range this is inf, and refused below
+            scale.copy_(torch.where(torch.isfinite(stored) & (value > 0), stored, scale))
     else:
-        scale.fill_(positive_finite("new_scale", new_scale))
+        scale.fill_(_storable_scale(new_scale, new_scale))
     clamp_scale_(scale, rule)
+
+
+def _storable_scale(new_scale: Any, number: Any) -> float:
+    """``number`` (``new_scale`` read on the host) as a float when a float32 scale can hold it."""
+    value = positive_finite("new_scale", number)
+    if value > FLOAT32_MAX:
+        raise ValueError(
+            f"new_scale must be a finite number > 0 and <= float32 max ({FLOAT32_MAX:g}), the scale's "
+            f"dtype, got {new_scale!r}. Pass a smaller value; above max_scale it is clamped to max_scale."
+        )
+    return value
 
 
 def clamp_scale_(scale: torch.Tensor, rule: ScaleRule) -> torch.Tensor:

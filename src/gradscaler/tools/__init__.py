@@ -1,5 +1,5 @@
 """Tools built on the public API: ``gradscaler demo``, ``gradscaler bench`` and their toy model.
 
 Nothing in the library imports this package. ``gpt2_shapes`` and ``sleep_cycles`` in
-``gradscaler.tools.bench`` are public helpers for ``benchmarks/`` and the CUDA tests.
+``gradscaler.tools.harness`` are public helpers for ``benchmarks/`` and the CUDA tests.
 """

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from gradscaler import GradScaler
-from gradscaler.tools.bench import BUSY_MS, SCALE, compare, step_phase, timer
+from gradscaler.tools.harness import BUSY_MS, SCALE, compare, step_phase, timer
 
 
 class _Variant:

@@ -50,6 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default=".", help="folder for gradscaler-demo.png and gradscaler-demo.json")
     demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     demo.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    demo.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=None,
+        help="CPU threads torch uses (default on the CPU: 1; the demo's matrices are small, and a second "
+        "thread gains little on a quiet machine but stalls at every barrier when other work competes)",
+    )
     bench = sub.add_parser(
         "bench",
         help="time torch.amp.GradScaler and gradscaler side by side",
@@ -79,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     report.add_argument("log", help="the file JsonLinesLogger wrote")
     report.add_argument("--out", default=None, help="write the figure to this PNG (needs matplotlib)")
+    report.add_argument(
+        "--rank", type=int, default=None, help="read only this rank's records (a file several ranks wrote to)"
+    )
+    report.add_argument("--run", default=None, help="read only the records of this run id (a logger's `run`)")
     return parser
 
 
@@ -99,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "report":
-        return report_command(args.log, args.out)
+        return report_command(args.log, args.out, args.rank, args.run)
     _check_device(parser, args.device)
     if args.command == "bench":
         import torch
@@ -120,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return demo.main(args)
 
 
-def report_command(log: str, out: str | None) -> int:
+def report_command(log: str, out: str | None, rank: int | None = None, run: str | None = None) -> int:
     """``gradscaler report``: the text on stdout; a bad log is one line on stderr and exit status 1."""
     import gradscaler
     from gradscaler.reporting import PLOT_HINT
@@ -128,7 +139,7 @@ def report_command(log: str, out: str | None) -> int:
 
     drawable = out is not None and importlib.util.find_spec("matplotlib") is not None
     try:
-        result = gradscaler.report(log, out if drawable else None, progress=True)
+        result = gradscaler.report(log, out if drawable else None, progress=True, rank=rank, run=run)
     except LogError as error:
         print(f"gradscaler report: {log}: {error}", file=sys.stderr)
         return 1

@@ -16,13 +16,18 @@ float16, also underflows).
 Why the gradients are small here, honestly. Language models are trained on large global batches
 split over data-parallel ranks, and Megatron-LM's per-token loss (``calculate_per_token_loss``) has
 each rank divide its summed token loss by the *global* token count, then sums gradients across ranks.
-This demo is one rank of such a job: 1,024 tokens a step out of a 1,048,576-token global batch over
-1,024 ranks (Llama 2 trained on 4M-token batches), so the loss it back-propagates is its mean token
-loss / 1024. The gradient reaching each logit is then (softmax - onehot) / 2**20, of order 1e-7 to
-1e-11; the output projection and the blocks (weights at std 0.02, GPT-2's initialisation) shrink it
-further, and it shrinks again as the model learns. After the backward pass every run multiplies its
-gradients by 1024, in float32, standing in for the all-reduce sum over ranks whose data are alike
-(``sum_over_ranks_``).
+This demo is one rank of such a job with a 1,048,576-token global batch (Llama 2 trained on 4M-token
+batches): on the CPU 512 tokens a step over 2,048 ranks, on CUDA 1,024 tokens over 1,024 ranks, so
+the loss it back-propagates is its mean token loss / ranks. The gradient reaching each logit is then
+(softmax - onehot) / 2**20 either way, of order 1e-7 to 1e-11; the output projection and the blocks
+(weights at std 0.02, GPT-2's initialisation) shrink it further, and it shrinks again as the model
+learns. After the backward pass every run multiplies its gradients by the rank count, in float32,
+standing in for the all-reduce sum over ranks whose data are alike (``sum_over_ranks_``).
+
+Sizes (``CPU`` and ``CUDA``, ``Setup``): float16 matrix products on a CPU without AVX-512 run about
+ten times slower than float32 ones, so the CPU model is narrower (width 32) and sees 512 tokens a
+step, which makes the whole demo about a minute on two such cores; on CUDA the model is width 64.
+The verdicts hold over seeds 0-3 at both sizes (benchmarks/results/demo-seeds-cpu.txt).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import math
 import random
 import sys
 import time
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -56,16 +62,49 @@ FP16_TINY = 2.0**-24  # smallest positive subnormal float16
 FP16_MAX = 65504.0
 SCALED = "fp16 + gradscaler"
 RUNS = ("fp32", "fp16, no scaling", SCALED, MASTERS, NO_MASTERS)
-RANKS = 1024
-"""Data-parallel ranks the per-token loss is normalised over (see the module docstring)."""
+GLOBAL_TOKENS = 2**20
+"""Tokens in the global batch of the data-parallel job this demo is one rank of (the module docstring)."""
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The model, the batches and the run length of one device kind."""
+
+    width: int
+    layers: int
+    heads: int
+    batch: int
+    context: int
+    steps: int
+    lr: float = 3e-3
+    final_lr: float | None = None
+    """With a value, the learning rate falls from ``lr`` to it along a half cosine over the run."""
+
+    def lr_factor(self, step: int) -> float:
+        """The learning rate at ``step`` as a multiple of ``lr`` (1 throughout without ``final_lr``)."""
+        if self.final_lr is None:
+            return 1.0
+        low = self.final_lr / self.lr
+        return low + (1 - low) * 0.5 * (1 + math.cos(math.pi * min(step / self.steps, 1.0)))
+
+    @property
+    def ranks(self) -> int:
+        """Data-parallel ranks the per-token loss is normalised over: the global batch over this rank's tokens."""
+        return GLOBAL_TOKENS // (self.batch * self.context)
+
+
+CPU = Setup(width=32, layers=2, heads=4, batch=16, context=32, steps=400, lr=1e-2, final_lr=1e-3)
+"""Sized for a minute on two cores without AVX-512 (float16 products about ten times float32's cost)."""
+CUDA = Setup(width=64, layers=2, heads=4, batch=16, context=64, steps=600)
+CPU_THREADS = 1
+"""Threads on the CPU (``--threads`` changes it). The matrices are small: on 2 quiet cores without
+AVX-512 a second thread took the demo from 46 s to 40 s, but with other work on the machine torch's
+OpenMP barriers wait for a descheduled thread at every operation, and the same demo took 212 s."""
 LOSS_TOLERANCE = 0.10
 """The demo's stated tolerance: final loss of fp16 + gradscaler, and of fp16 parameters + master
 weights, within 10% of the fp32 run's (float16 rounding makes the trajectories differ step by step;
 all are evaluated in float32 on the same held-out batches)."""
 EVAL_BATCHES = 4
-CPU_STEPS = 400
-"""Steps a run on the CPU: past the steep part of the descent (steps 150-250). Stopped at 200, the float16
-runs ended 1% to 12% above the fp32 run depending on the seed (0-3); at 400, within -4% to +8%."""
 
 
 def corpus(seed: int, sentences: int = 4000) -> str:
@@ -97,15 +136,15 @@ class Batches:
         return window[:, :-1].to(self.device), window[:, 1:].to(self.device)
 
 
-def sum_over_ranks_(params: list[torch.Tensor]) -> None:
-    """Stand-in for the all-reduce SUM of a data-parallel job: RANKS ranks whose data are alike.
+def sum_over_ranks_(params: list[torch.Tensor], ranks: int) -> None:
+    """Stand-in for the all-reduce SUM of a data-parallel job: ``ranks`` ranks whose data are alike.
 
     Applied after the backward pass, in float32, to every run alike (the float16 run without masters
     aside: its float16 gradients, still scaled, as DDP sums them): it restores the gradient's magnitude
     for the optimizer; it cannot bring back values the float16 backward already lost.
     """
     with torch.no_grad():
-        torch._foreach_mul_([p.grad for p in params if p.grad is not None], float(RANKS))
+        torch._foreach_mul_([p.grad for p in params if p.grad is not None], float(ranks))
 
 
 def loss_of(
@@ -117,11 +156,11 @@ def loss_of(
     return nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
 
-def activation_gradients(model: TinyGPT, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+def activation_gradients(model: TinyGPT, batch: tuple[torch.Tensor, torch.Tensor], ranks: int) -> torch.Tensor:
     """|gradient| of every activation value for this rank's loss, computed in float32 (the true values)."""
     model.zero_grad(set_to_none=True)
     kept: list[torch.Tensor] = []
-    (loss_of(model, *batch, fp16=False, keep=kept) / RANKS).backward()
+    (loss_of(model, *batch, fp16=False, keep=kept) / ranks).backward()
     values = torch.cat([a.grad.detach().abs().reshape(-1).float() for a in kept if a.grad is not None])
     model.zero_grad(set_to_none=True)
     return values
@@ -134,21 +173,31 @@ def underflow_share(values: torch.Tensor, scale: float) -> float:
 
 
 def train(
-    name: str, steps: int, batches: Batches, seed: int, progress: bool, log: Path | None = None
+    name: str,
+    setup: Setup,
+    batches: Batches,
+    seed: int,
+    progress: bool,
+    log: Path | None = None,
+    clock: Progress | None = None,
 ) -> dict[str, Any]:
-    """One run; returns losses, scales, skipped steps, timing and the final underflow share.
+    """One run of ``setup.steps`` steps; returns losses, scales, skipped steps, timing and the final
+    underflow share.
 
     With ``log``, the gradscaler run writes its scaler log there (every step; ``gradscaler report`` reads it).
+    ``clock``: the demo's progress over all its runs, for the time left.
     """
+    steps = setup.steps
     if name not in RUNS:
         raise ValueError(f"unknown demo run {name!r}; the runs are {', '.join(RUNS)}")
     torch.manual_seed(seed)
-    model = TinyGPT(len(batches.vocab), width=64, layers=2, heads=4, context=batches.context).to(batches.device)
+    model = TinyGPT(len(batches.vocab), setup.width, setup.layers, setup.heads, setup.context).to(batches.device)
     if name in FP16_PARAMETERS:
         model.half()  # the float32 initial weights, rounded to float16
     # Fused AdamW: how torch lets a scaler step float16 parameters without masters (demo_fp16).
     fused: dict[str, Any] = {"fused": True} if name == NO_MASTERS else {}
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0, **fused)
+    opt = torch.optim.AdamW(model.parameters(), lr=setup.lr, weight_decay=0.0, **fused)
+    schedule = None if setup.final_lr is None else torch.optim.lr_scheduler.LambdaLR(opt, setup.lr_factor)
     fp16 = name != "fp32"
     # growth_interval=10 (torch: 2000) so that a few hundred steps show growth up to overflow and the backoff;
     # collapse_patience=None lets the float16 run without masters go on to the end once it has diverged.
@@ -164,28 +213,34 @@ def train(
     watch = UpdateWatch(model, opt, scaler) if scaler is not None and name in FP16_PARAMETERS else None
     losses: list[float] = []
     begin = time.perf_counter()
+    if clock is not None:
+        clock.start(name)
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
         loss = loss_of(model, *batches.get(step), fp16=fp16)
-        rank_loss = loss / RANKS  # this rank's share of the global per-token loss
+        rank_loss = loss / setup.ranks  # this rank's share of the global per-token loss
         if scaler is None:
             rank_loss.backward()
-            sum_over_ranks_(optimizer_params(opt))
+            sum_over_ranks_(optimizer_params(opt), setup.ranks)
             opt.step()
         else:
             scaler.scale(rank_loss).backward()
             if name != NO_MASTERS:  # with masters: moves the gradients into the float32 masters, unscaled
                 scaler.unscale_(opt)
-            sum_over_ranks_(optimizer_params(opt))  # without masters: the float16 gradients, still scaled
+            sum_over_ranks_(optimizer_params(opt), setup.ranks)  # without masters: float16 gradients, still scaled
             if watch is not None:
                 watch.before()
             scaler.step(opt)
             scaler.update()
             if watch is not None:
                 watch.after()
+        if schedule is not None:
+            schedule.step()
         losses.append(loss.detach().item())
+        if clock is not None:
+            clock.step()
         if progress:
-            _bar(name, step + 1, steps, losses[-1], begin)
+            _bar(name, step + 1, steps, losses[-1], begin, clock)
     seconds = time.perf_counter() - begin
     held_out = [batches.get(10**6 + i) for i in range(EVAL_BATCHES)]
     evaluated = float32_copy(model) if name in FP16_PARAMETERS else model
@@ -193,7 +248,7 @@ def train(
         final = sum(float(loss_of(evaluated, *b, fp16=False)) for b in held_out) / len(held_out)
     scale = scaler.get_scale() if scaler is not None else 1.0
     history = scaler.history() if scaler is not None else {"scale": [], "skipped": []}
-    grads = activation_gradients(evaluated, held_out[0])
+    grads = activation_gradients(evaluated, held_out[0], setup.ranks)
     return {
         "run": name,
         "losses": losses,
@@ -209,19 +264,57 @@ def train(
     }
 
 
-def _bar(name: str, done: int, total: int, loss: float, begin: float) -> None:
-    """A progress bar redrawn in place on a terminal; one line per 10% when stderr is a file or pipe."""
+class Progress:
+    """The demo's clock: the time left of all its runs.
+
+    A float16 run costs several times the fp32 run a step on a CPU without AVX-512, so the runs still to
+    come are timed at the speed of the float16 run in progress or last finished (the float16 runs are
+    alike); until one has run (during the fp32 run) the demo's time left is unknown.
+    """
+
+    def __init__(self, runs: tuple[str, ...], steps: int) -> None:
+        self.runs, self.steps = runs, steps
+        self.run, self.run_begin, self.run_done = "", time.perf_counter(), 0
+        self.fp16_rate: float | None = None  # steps a second of the latest float16 run
+
+    def start(self, name: str) -> None:
+        """A run begins (its first step is about to)."""
+        self.run, self.run_begin, self.run_done = name, time.perf_counter(), 0
+
+    def step(self) -> None:
+        """A step of the run in progress is done."""
+        self.run_done += 1
+        if self.run != "fp32":
+            self.fp16_rate = self.run_done / max(time.perf_counter() - self.run_begin, 1e-9)
+
+    def left(self) -> float | None:
+        """Seconds left of the demo's runs, or None before any float16 step was timed."""
+        if self.fp16_rate is None or self.run not in self.runs:
+            return None
+        later = len(self.runs) - 1 - self.runs.index(self.run)
+        rate = self.run_done / max(time.perf_counter() - self.run_begin, 1e-9)
+        return (self.steps - self.run_done) / rate + later * self.steps / self.fp16_rate
+
+
+def _bar(name: str, done: int, total: int, loss: float, begin: float, clock: Progress | None = None) -> None:
+    """A progress bar redrawn in place on a terminal; one line per 10% when stderr is a file or pipe.
+
+    It shows the time left of this run and, with ``clock``, of the whole demo.
+    """
     interactive = sys.stderr.isatty()
     if not interactive and done % max(total // 10, 1) and done != total:
         return
     width = 30
     filled = int(width * done / total)
     rate = done / max(time.perf_counter() - begin, 1e-9)
-    eta = (total - done) / rate
+    left = f"{(total - done) / rate:.0f}s left"
+    demo_left = None if clock is None else clock.left()
+    if demo_left is not None:
+        left += f", demo {demo_left:.0f}s"
     sys.stderr.write(
         ("\r" if interactive else "")
         + f"{name:<32} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} "
-        + f"loss {loss:.3f}  {rate:.1f} it/s  eta {eta:.0f}s "
+        + f"loss {loss:.3f}  {rate:.1f} it/s  {left} "
         + ("\n" if done == total or not interactive else "")
     )
     sys.stderr.flush()
@@ -368,20 +461,35 @@ def json_safe(value: Any) -> Any:
 
 
 def main(args: Any) -> int:
-    """Entry point of ``gradscaler demo`` (arguments from ``gradscaler.tools.cli``)."""
+    """Entry point of ``gradscaler demo`` (arguments from ``gradscaler.tools.cli``); torch's thread count
+    is set for the demo (``--threads``, ``CPU_THREADS``) and given back after it."""
+    before = torch.get_num_threads()
+    try:
+        return _demo(args)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _demo(args: Any) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    steps = args.steps or (600 if device.type == "cuda" else CPU_STEPS)
+    setup = CUDA if device.type == "cuda" else CPU
+    if args.steps:
+        setup = replace(setup, steps=args.steps)
+    threads = getattr(args, "threads", None) or (CPU_THREADS if device.type == "cpu" else None)
+    if threads is not None:
+        torch.set_num_threads(threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print(
-        f"gradscaler demo: a character-level transformer on generated sentences, {steps} steps per run, "
+        f"gradscaler demo: a character-level transformer on generated sentences, {setup.steps} steps per run, "
         f"on {device.type}.\nEach step back-propagates one rank's share of a per-token loss over a "
-        f"{RANKS}-rank job (loss / {RANKS}), which is what makes its gradients small; see "
+        f"{setup.ranks}-rank job (loss / {setup.ranks}), which is what makes its gradients small; see "
         "`python -c 'import gradscaler.tools.demo as d; help(d)'`.\n"
     )
-    batches = Batches(corpus(args.seed), batch=16, context=64, seed=args.seed, device=device)
+    batches = Batches(corpus(args.seed), batch=setup.batch, context=setup.context, seed=args.seed, device=device)
     log = out / "gradscaler-demo-scaler.jsonl"
-    runs = [train(name, steps, batches, args.seed, not args.no_progress, log) for name in RUNS]
+    clock = Progress(RUNS, setup.steps)
+    runs = [train(name, setup, batches, args.seed, not args.no_progress, log, clock) for name in RUNS]
     scaled = next(r for r in runs if r["run"] == SCALED)
     hist = histogram_data(scaled["activation_gradients"], scaled["final_scale"])
     print()
@@ -390,10 +498,11 @@ def main(args: Any) -> int:
     for line in verdict(runs):
         print(line)
     numbers = {
-        "steps": steps,
+        "steps": setup.steps,
         "device": device.type,
         "seed": args.seed,
-        "ranks": RANKS,
+        "setup": asdict(setup),
+        "ranks": setup.ranks,
         "loss_tolerance": LOSS_TOLERANCE,
         "histogram": hist,
         "runs": [{k: v for k, v in r.items() if k != "activation_gradients"} for r in runs],

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from gradscaler import GradScaler
-from gradscaler.tools.bench import BUSY_MS, SCALE, compare, count_params, gpt2_shapes, spread, step_phase, timer
+from gradscaler.tools.harness import BUSY_MS, SCALE, compare, count_params, gpt2_shapes, spread, step_phase, timer
 from gradscaler.tools.toy_model import TinyGPT
 
 OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
