@@ -11,7 +11,7 @@ the two traces must be equal bit for bit.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -98,15 +98,38 @@ class Ours(System):
         self.scaler.step(self.optimizer)
 
 
+class Copies:
+    """The recipe's float32 copies of the float16/bfloat16 ones among ``params``, and its two moves."""
+
+    def __init__(self, params: Iterable[torch.Tensor]) -> None:
+        self.all = list(params)
+        self.pairs = [(p, p.detach().float().requires_grad_()) for p in self.all if p.dtype in LOW_PRECISION]
+
+    def params(self) -> list[torch.Tensor]:
+        """What the optimizer steps: each low-precision parameter's copy in its place, the rest as they are."""
+        copy_of = {id(p): c for p, c in self.pairs}
+        return [copy_of.get(id(p), p) for p in self.all]
+
+    def move_grads(self) -> None:
+        """``copy.grad = p.grad.float()``, or None where ``p`` has none; then ``p.grad = None``."""
+        for p, c in self.pairs:
+            c.grad = None if p.grad is None else p.grad.float()
+            p.grad = None
+
+    def copy_back(self) -> None:
+        """After an applied step: each parameter takes its copy's values."""
+        with torch.no_grad():
+            for p, c in self.pairs:
+                p.copy_(c)
+
+
 class Recipe(System):
     """The recipe by hand, with torch's scaler (or ``scaler``) over an optimizer of float32 copies."""
 
     def __init__(self, model: nn.Module, make: MakeOptimizer, scaler: Any = None) -> None:
         self.model = model
-        params = [p for p in model.parameters() if p.requires_grad]
-        self.pairs = [(p, p.detach().float().requires_grad_()) for p in params if p.dtype in LOW_PRECISION]
-        copy_of = {id(p): c for p, c in self.pairs}
-        self.optimizer = make([copy_of.get(id(p), p) for p in params])
+        self.copies = Copies(p for p in model.parameters() if p.requires_grad)
+        self.optimizer = make(self.copies.params())
         self.scaler = scaler or torch.amp.GradScaler("cpu", **SCALER_ARGS)
         self.moved = False
 
@@ -117,9 +140,7 @@ class Recipe(System):
 
     def move(self) -> None:
         if not self.moved:
-            for p, c in self.pairs:
-                c.grad = None if p.grad is None else p.grad.float()
-                p.grad = None
+            self.copies.move_grads()
             self.moved = True
 
     def unscale_(self) -> None:
@@ -135,12 +156,7 @@ class Recipe(System):
         self.scaler.step(self.optimizer)
         flags = self.scaler._found_inf_per_device(self.optimizer)
         if not sum(flag.item() for flag in flags.values()):
-            self.write_back()
-
-    def write_back(self) -> None:
-        with torch.no_grad():
-            for p, c in self.pairs:
-                p.copy_(c)
+            self.copies.copy_back()
 
     def update(self) -> None:
         self.scaler.update()
@@ -150,9 +166,25 @@ class Recipe(System):
         """A user's edit of ``param`` under the recipe: the parameter and its copy take the new values."""
         with torch.no_grad():
             param.copy_(value)
-            for p, c in self.pairs:
+            for p, c in self.copies.pairs:
                 if p is param:
                     c.copy_(p)
+
+
+class OursScalerClips(Ours):
+    """``Ours`` clipping with ``scaler.clip_grad_norm_(optimizer, max_norm)``."""
+
+    def clip(self, max_norm: float) -> None:
+        self.scaler.clip_grad_norm_(self.optimizer, max_norm)
+
+
+class RecipeScalerClips(Recipe):
+    """The recipe clipping its copies with a gradscaler scaler's ``clip_grad_norm_`` (torch's has none):
+    build it with ``GradScaler`` (default arguments: torch's decisions, bit for bit)."""
+
+    def clip(self, max_norm: float) -> None:
+        self.move()
+        self.scaler.clip_grad_norm_(self.optimizer, max_norm)
 
 
 def snapshot(model: nn.Module) -> list[torch.Tensor]:

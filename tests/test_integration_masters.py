@@ -29,28 +29,9 @@ from integration_helpers import (
     tiny_gpt2,
     token_batches,
 )
+from recipe import Copies
 
 pytestmark = pytest.mark.integration
-
-
-class ByHand:
-    """The recipe written out: float32 copies of ``model``'s float16 parameters, in ``model``'s order."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.pairs = [(p, p.detach().float().requires_grad_()) for p in model.parameters()]
-
-    def params(self) -> list[torch.Tensor]:
-        return [m for _, m in self.pairs]
-
-    def move_grads(self) -> None:
-        for p, m in self.pairs:
-            m.grad = None if p.grad is None else p.grad.float()
-            p.grad = None
-
-    def copy_back(self) -> None:
-        with torch.no_grad():
-            for p, m in self.pairs:
-                p.copy_(m)
 
 
 # --------------------------------------------------------------------------- nanoGPT-style loop
@@ -58,10 +39,10 @@ def nanogpt_half_run(*, by_hand: bool, fused: bool, steps: int = 12, resume_at: 
     """nanoGPT's inner loop (2 micro-steps, its clipping) on a float16 TinyGPT; its scaler line is
     ``torch.amp.GradScaler(...)``, built while patched (or torch's own, by hand)."""
 
-    def build() -> tuple[nn.Module, torch.optim.Optimizer, Any, ByHand | None]:
+    def build() -> tuple[nn.Module, torch.optim.Optimizer, Any, Copies | None]:
         torch.manual_seed(0)
         model = TinyGPT().half()
-        hand = ByHand(model) if by_hand else None
+        hand = Copies(model.parameters()) if by_hand else None
         params = hand.params() if hand else list(model.parameters())
         flags = {"fused": True} if fused else {"foreach": True}
         optimizer = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.01, **flags)
@@ -128,7 +109,7 @@ def accelerate_half_run(make_scaler: Callable[[], Any], *, by_hand: bool, steps:
     accelerator.native_amp = True
     accelerator.scaler = scaler = make_scaler()
     model = mlp().half()
-    hand = ByHand(model) if by_hand else None
+    hand = Copies(model.parameters()) if by_hand else None
     optimizer = torch.optim.AdamW(hand.params() if hand else model.parameters(), lr=1e-2, foreach=True)
     model, optimizer = accelerator.prepare(model, optimizer)
     losses, scales = [], []

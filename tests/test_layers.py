@@ -145,6 +145,17 @@ def test_no_module_imports_itself_back_through_others() -> None:
     assert import_cycles(SRC) == []
 
 
+def package_with(tmp_path: Path, module: str, line: str) -> Path:
+    """A copy of the package under ``tmp_path`` with ``line`` appended to ``module``."""
+    copy = tmp_path / "gradscaler"
+    for path in SRC.rglob("*.py"):
+        target = copy / path.relative_to(SRC)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(path.read_text(encoding="utf-8"), encoding="utf-8")
+    (copy / module).write_text((copy / module).read_text(encoding="utf-8") + "\n" + line + "\n", encoding="utf-8")
+    return copy
+
+
 @pytest.mark.parametrize(
     ("module", "line", "expected"),
     [
@@ -156,13 +167,7 @@ def test_no_module_imports_itself_back_through_others() -> None:
 def test_the_check_fails_when_a_violation_is_reintroduced(
     tmp_path: Path, module: str, line: str, expected: str
 ) -> None:
-    copy = tmp_path / "gradscaler"
-    for path in SRC.rglob("*.py"):
-        target = copy / path.relative_to(SRC)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(path.read_text(encoding="utf-8"), encoding="utf-8")
-    (copy / module).write_text((copy / module).read_text(encoding="utf-8") + "\n" + line + "\n", encoding="utf-8")
-    problems = layering_violations(copy)
+    problems = layering_violations(package_with(tmp_path, module, line))
     assert any(expected in problem for problem in problems), problems
 
 
@@ -186,10 +191,4 @@ def test_the_check_fails_when_a_violation_is_reintroduced(
 def test_the_circle_check_fails_when_a_circle_is_reintroduced(
     tmp_path: Path, module: str, line: str, expected: list[str]
 ) -> None:
-    copy = tmp_path / "gradscaler"
-    for path in SRC.rglob("*.py"):
-        target = copy / path.relative_to(SRC)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(path.read_text(encoding="utf-8"), encoding="utf-8")
-    (copy / module).write_text((copy / module).read_text(encoding="utf-8") + "\n" + line + "\n", encoding="utf-8")
-    assert import_cycles(copy) == ([expected] if expected else [])
+    assert import_cycles(package_with(tmp_path, module, line)) == ([expected] if expected else [])

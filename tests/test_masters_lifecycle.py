@@ -26,7 +26,9 @@ from recipe import (
     SCALER_ARGS,
     Boom,
     Ours,
+    OursScalerClips,
     Recipe,
+    RecipeScalerClips,
     System,
     assert_same_state,
     assert_same_trace,
@@ -170,17 +172,8 @@ def test_scaler_clipping_sums_norms_in_the_optimizers_order(name: str) -> None:
     optimizer's order, as clipping the copies by hand sums them (the recipe with our scaler, which
     equals torch's, for its ``clip_grad_norm_``)."""
 
-    class Clipping(Ours):
-        def clip(self, max_norm: float) -> None:
-            self.scaler.clip_grad_norm_(self.optimizer, max_norm)
-
-    class ClippingByHand(Recipe):
-        def clip(self, max_norm: float) -> None:
-            self.move()
-            self.scaler.clip_grad_norm_(self.optimizer, max_norm)
-
-    ours = Clipping(Experts(), OPTIMIZERS[name])
-    reference = ClippingByHand(Experts(), OPTIMIZERS[name], GradScaler("cpu", **SCALER_ARGS))
+    ours = OursScalerClips(Experts(), OPTIMIZERS[name])
+    reference = RecipeScalerClips(Experts(), OPTIMIZERS[name], GradScaler("cpu", **SCALER_ARGS))
     assert_same_run(ours, reference, range(200), clip=0.05)
 
 

@@ -16,45 +16,24 @@ import torch
 
 from gradscaler import GradScaler
 from integration_helpers import fresh_accelerate_state  # noqa: F401 (an autouse fixture)
-from recipe import OPTIMIZERS, SCALER_ARGS, Ours, Recipe, assert_same_trace, new_trace, record
-from test_masters_lifecycle import Experts, data, loss_of
+from recipe import OPTIMIZERS, SCALER_ARGS, OursScalerClips, RecipeScalerClips, assert_same_trace, new_trace
+from test_masters_lifecycle import Experts, data, run
 
 pytestmark = pytest.mark.integration
 
 
-class Wrapped(Ours):
-    """Ours, with the scaler handed the wrapper a framework gives back, and ``scaler.clip_grad_norm_``."""
+class Wrapped(OursScalerClips):
+    """Ours, with the scaler handed the wrapper a framework gives back."""
 
     def __init__(self, wrap: Callable[[torch.optim.Optimizer], Any]) -> None:
         super().__init__(Experts(), OPTIMIZERS["adamw_foreach"])
         self.inner, self.optimizer = self.optimizer, wrap(self.optimizer)
 
-    def clip(self, max_norm: float) -> None:
-        self.scaler.clip_grad_norm_(self.optimizer, max_norm)
-
-
-def train(system: Any, steps: int = 8) -> dict[str, list[Any]]:
-    trace = new_trace()
-    for step, batch in enumerate(data(steps)):
-        system.zero_grad("optimizer", True)
-        system.backward(loss_of(system, batch, step))
-        system.clip(0.5)
-        system.step()
-        system.update()
-        record(system, trace)
-    return trace
-
-
-class ClippingByHand(Recipe):
-    def clip(self, max_norm: float) -> None:
-        self.move()
-        self.scaler.clip_grad_norm_(self.optimizer, max_norm)
-
 
 def check_wrapper(wrap: Callable[[torch.optim.Optimizer], Any]) -> None:
     ours = Wrapped(wrap)
-    reference = ClippingByHand(Experts(), OPTIMIZERS["adamw_foreach"], GradScaler("cpu", **SCALER_ARGS))
-    assert_same_trace(train(ours), train(reference))
+    reference = RecipeScalerClips(Experts(), OPTIMIZERS["adamw_foreach"], GradScaler("cpu", **SCALER_ARGS))
+    assert_same_trace(run(ours, range(8), new_trace(), clip=0.5), run(reference, range(8), new_trace(), clip=0.5))
     pairs = ours.scaler.master_weights(ours.optimizer)
     assert pairs == ours.scaler.master_weights(ours.inner)
     low = [p for p in ours.model.parameters() if p.dtype == torch.float16]

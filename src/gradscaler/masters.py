@@ -196,11 +196,11 @@ class Moved:
         """Another pass's per-device norms and their owners joined with this pass's, each device's in
         the order of ``order`` (the optimizer's parameters), as clipping the masters by hand sums them."""
         joined_norms, joined_owners = dict(norms), dict(owners)
+        position = {id(p): i for i, p in enumerate(order)} if self.norms else {}
         for device, mine in self.norms.items():
             before = joined_norms.get(device)
             joined_norms[device] = mine if before is None else torch.cat([before, mine])
             joined_owners[device] = joined_owners.get(device, []) + self.owners[device]
-            position = {id(p): i for i, p in enumerate(order)}
             places = [position[id(p)] for p in joined_owners[device]]
             if places != sorted(places):
                 permutation = sorted(range(len(places)), key=places.__getitem__)
