@@ -24,7 +24,11 @@ LAYERS: dict[str, int] = {
     "distributed": 0,
     "kernels": 0,
     "stale": 0,
+    "masters_checks": 0,
+    "masters_checkpoint": 0,
+    "masters_wrappers": 0,
     "grads": 1,
+    "masters_pairs": 1,
     "scalerlog": 1,
     "fused": 2,
     "clipping": 2,
@@ -162,6 +166,12 @@ def package_with(tmp_path: Path, module: str, line: str) -> Path:
         ("clipping.py", "from gradscaler.scaler import GradScaler", "clipping (layer 2) imports scaler"),
         ("monitor.py", "def f(scaler):\n    return scaler._scale", "touches a scaler private"),
         ("grads.py", "def f():\n    from gradscaler import rule", "function-level import of rule"),
+        (
+            "masters_checks.py",
+            "from gradscaler.masters import MasterWeights",
+            "masters_checks (layer 0) imports masters",
+        ),
+        ("masters_pairs.py", "from gradscaler import masters", "masters_pairs (layer 1) imports masters"),
     ],
 )
 def test_the_check_fails_when_a_violation_is_reintroduced(

@@ -1,0 +1,120 @@
+"""The masters through the optimizer's state dict: what is saved, and what of it a binding or a load takes.
+
+Saved: a ``state_dict`` post-hook adds, to each saved param group, the key ``SAVED_KEY`` with the masters
+of its positions and their float32 state (the same tensors as in ``state``: ``torch.save`` stores them
+once). Torch keeps unknown group keys, so a checkpoint passed through a run without masters still holds
+old ones; taken back: a saved master only if it rounds to the whole parameter it is loaded for
+(``claims``), and its saved state only where it rounds to the state loaded with it at the same step
+(``state_for_master``). Plain functions of tensors and dicts; ``masters.MasterWeights`` gives the hooks
+what they need as callables and never hands its pairs down.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Container
+from typing import Any
+
+import torch
+
+SAVED_KEY = "gradscaler_master_weights"
+"""The key the optimizer's ``state_dict`` post-hook adds to each saved param group (removed on load)."""
+HOOKS_ATTR = "_gradscaler_hooks"
+"""The attribute of a bound optimizer holding its state-dict hooks (left out of its pickles)."""
+
+
+def master_of(param: torch.Tensor, saved: torch.Tensor | None) -> torch.Tensor:
+    """A float32 leaf copy of ``param`` on its device: the saved master value if it rounds to the whole
+    parameter (a resumed run keeps its precision), else the parameter's values (an edit since, or any
+    training without masters since, changed it: the saved master belongs to another state)."""
+    value = None if saved is None else claims(saved, param)
+    master = param.detach() if value is None else value
+    return master.to(device=param.device, dtype=torch.float32, copy=True).requires_grad_(True)
+
+
+def claims(saved: torch.Tensor, param: torch.Tensor) -> torch.Tensor | None:
+    """``saved`` as a float32 tensor on ``param``'s device if it rounds to ``param`` everywhere, else None
+    (one comparison, at a binding or a load only)."""
+    if saved.shape != param.shape:
+        return None
+    value = saved.detach().to(device=param.device, dtype=torch.float32)
+    return value if bool(torch.equal(value.to(param.dtype), param.detach())) else None
+
+
+def state_for_master(
+    loaded: dict[str, Any] | None, saved: dict[str, Any] | None, low_dtype: torch.dtype
+) -> dict[str, Any] | None:
+    """The optimizer state of a new master: ``loaded`` (the low-precision parameter's, as the optimizer
+    holds it) widened to float32, except each value the checkpoint's float32 state gives exactly: one
+    that rounds to the loaded value, saved at the same step."""
+    if loaded is None:
+        return None
+    state = dict(loaded)
+    same_step = saved is not None and same(saved.get("step"), loaded.get("step"))
+    for key, value in state.items():
+        if key == "step" or not isinstance(value, torch.Tensor) or value.dtype != low_dtype:
+            continue
+        exact = saved.get(key) if same_step and saved is not None else None
+        if isinstance(exact, torch.Tensor) and exact.shape == value.shape and same(exact.to(value.dtype), value):
+            state[key] = exact.to(device=value.device, dtype=torch.float32, copy=True)
+        else:
+            state[key] = value.float()
+    return state
+
+
+def same(a: Any, b: Any) -> bool:
+    """Equal values: tensors bit for bit (on ``b``'s device), other values by ``==``."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and bool(torch.equal(a.to(b.device), b))
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return False
+    return bool(a == b)
+
+
+def save_hook(bound: Container[int]) -> Callable[[torch.optim.Optimizer, dict[str, Any]], dict[str, Any]]:
+    """The ``state_dict`` post-hook: each saved group gets its masters (the parameters whose ids are in
+    ``bound``) and their float32 state."""
+
+    def hook(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        saved_state = state_dict["state"]
+        for group, saved in zip(optimizer.param_groups, state_dict["param_groups"], strict=True):
+            masters: dict[int, torch.Tensor] = {}
+            state: dict[int, Any] = {}
+            for index, (param, number) in enumerate(zip(group["params"], saved["params"], strict=True)):
+                if id(param) in bound:
+                    masters[index] = param.detach()
+                    if number in saved_state:
+                        state[index] = saved_state[number]  # the same tensors: torch.save writes them once
+            if masters:
+                saved[SAVED_KEY] = {"masters": masters, "state": state}
+        return state_dict
+
+    return hook
+
+
+def load_hook(
+    restore: Callable[[torch.Tensor, torch.Tensor], None], done: Callable[[], None]
+) -> Callable[[torch.optim.Optimizer], None]:
+    """The ``load_state_dict`` post-hook of a bound optimizer: its groups hold the masters already, so the
+    loaded state kept float32; ``restore(master, saved value)`` for each saved master, then ``done()``."""
+
+    def hook(optimizer: torch.optim.Optimizer) -> None:
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                saved = group.pop(SAVED_KEY, None)
+                if not saved:
+                    continue
+                for index, value in saved["masters"].items():
+                    restore(group["params"][index], value)
+        done()
+
+    return hook
+
+
+def install_hooks(optimizer: torch.optim.Optimizer, save: Callable[..., Any], load: Callable[..., Any]) -> list[Any]:
+    """Register ``save`` and ``load`` on ``optimizer`` in place of an earlier binding's (another scaler's:
+    one binding steers); returns their handles."""
+    for handle in vars(optimizer).pop(HOOKS_ATTR, []):
+        handle.remove()
+    handles = [optimizer.register_state_dict_post_hook(save), optimizer.register_load_state_dict_post_hook(load)]
+    setattr(optimizer, HOOKS_ATTR, handles)
+    return handles

@@ -1,0 +1,119 @@
+"""Which parameters get float32 masters, and what ``master_weights=True`` refuses, with the fix.
+
+A float16/bfloat16 parameter that requires a gradient gets a master (``needs_master``); a float32 tensor
+that names its parameter (``PARAM_ATTR``) is a copied optimizer's master waiting for its binding
+(``stands_in``). Refused before anything changes, the parameter named by its place in the optimizer
+(``describe``): a parameter on the meta device or with a sparse layout, one held twice, one held by
+two optimizers of one scaler, an optimizer stepping through an inner optimizer of its own, a float16
+gradient written after the move that the step would not see, and a disabled scaler asked to step
+low-precision parameters. Plain functions of the optimizer; ``masters.MasterWeights`` calls them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container, Mapping
+from typing import Any
+
+import torch
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+PARAM_ATTR = "_gradscaler_param"
+"""The attribute of a master naming its model parameter; it travels with pickles and deep copies."""
+
+WRITTEN_LOW_GRADS_MESSAGE = (
+    "The float16/bfloat16 gradient of {name} was written after scaler.unscale_(optimizer) moved it to its "
+    "float32 master, which is what the optimizer steps (a clipping over model.parameters() other than "
+    "torch.nn.utils.clip_grad_norm_, such as clip_grad_value_ or adaptive clipping, or a function bound "
+    "before the scaler's first step?). With master_weights=True that write would be lost. Call "
+    "scaler.clip_grad_norm_(optimizer, max_norm), or apply it to the optimizer's own parameters: "
+    "[p for g in optimizer.param_groups for p in g['params']] (the masters, whose gradients are stepped)."
+)
+
+INNER_OPTIMIZER_MESSAGE = (
+    "master_weights=True cannot train {kind}: it steps its parameters through an optimizer of its own "
+    "(its attribute {attr!r}), which would keep stepping the float16/bfloat16 parameters while the float32 "
+    "masters are never stepped. Build it over float32 copies of the parameters by hand (docs/migration.md, "
+    "'float16 parameters: master weights'), keep the model in float32 under torch.autocast, or shard with "
+    "FSDP2 (torch.distributed.fsdp.fully_shard), whose parameters get float32 masters."
+)
+
+DISABLED_MESSAGE = (
+    "GradScaler(master_weights=True, enabled=False) does not scale and keeps no masters: step() calls "
+    "optimizer.step() as it is, which would step {name} in {dtype} and lose the updates below its "
+    "resolution. Enable the scaler (enabled=True) to train it with float32 master weights, or cast the "
+    "model to float32 (model.float()) for a run without loss scaling."
+)
+
+
+def describe(group: int, index: int, param: torch.Tensor) -> str:
+    """How an error names a parameter: its place in the optimizer, shape and dtype."""
+    return f"optimizer.param_groups[{group}]['params'][{index}] (shape {tuple(param.shape)}, {param.dtype})"
+
+
+def needs_master(param: torch.Tensor) -> bool:
+    """Whether the optimizer should step a float32 master instead of ``param``."""
+    return param.dtype in LOW_PRECISION and param.requires_grad
+
+
+def stands_in(param: torch.Tensor) -> bool:
+    """Whether ``param`` needs a master, or is one (a copied optimizer's) that still needs its binding."""
+    return needs_master(param) or (param.dtype == torch.float32 and hasattr(param, PARAM_ATTR))
+
+
+def check_params(optimizer: torch.optim.Optimizer, bound: Container[int], owners: Mapping[Any, Any]) -> None:
+    """Refuse, before changing anything, a parameter no master can be built for or one held twice.
+
+    ``bound``: the ids of the masters bound already (checked when they were bound); ``owners``: each
+    low-precision parameter -> a weak reference to the optimizer whose master stands for it."""
+    seen: dict[int, str] = {}
+    for group_index, group in enumerate(optimizer.param_groups):
+        for index, param in enumerate(group["params"]):
+            name = describe(group_index, index, param)
+            if id(param) in seen:
+                raise ValueError(
+                    f"master_weights=True: the optimizer holds one parameter twice, as {seen[id(param)]} and as "
+                    f"{name}. A float32 master can stand for it only once: list each parameter in one place."
+                )
+            seen[id(param)] = name
+            if not stands_in(param) or id(param) in bound:
+                continue
+            if needs_master(param):
+                check_buildable(name, param)
+            owner = owners.get(getattr(param, PARAM_ATTR, param))
+            if owner is not None and owner() is not None and owner() is not optimizer:
+                raise ValueError(
+                    f"master_weights=True: {name} already has a float32 master in another optimizer stepped "
+                    "by this scaler. Give each parameter to one optimizer."
+                )
+
+
+def check_buildable(name: str, param: torch.Tensor) -> None:
+    """Refuse a parameter whose master cannot be built: on the meta device, or not strided."""
+    if param.is_meta:
+        raise ValueError(
+            f"master_weights=True cannot build a float32 master for {name}: it is on the meta device and has no "
+            "values. Materialise the model (to_empty() + initialisation, or load its weights) before the first "
+            "scaler.step(optimizer)."
+        )
+    if param.layout is not torch.strided:
+        raise ValueError(
+            f"master_weights=True cannot build a float32 master for {name}: its layout is {param.layout}. Keep "
+            "sparse parameters in float32 (param.data = param.data.float()) or freeze them (requires_grad_(False))."
+        )
+
+
+def check_inner_optimizers(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer that steps its parameters through an inner optimizer of its own (torch's
+    ``ZeroRedundancyOptimizer``): the masters would replace them only in the outer ``param_groups``."""
+    for attr, value in vars(optimizer).items():
+        if isinstance(value, torch.optim.Optimizer) and value.param_groups is not optimizer.param_groups:
+            raise ValueError(INNER_OPTIMIZER_MESSAGE.format(kind=type(optimizer).__name__, attr=attr))
+
+
+def refuse_disabled(optimizer: torch.optim.Optimizer) -> None:
+    """For a disabled scaler asked for masters: ``ValueError`` if ``optimizer`` would step a
+    low-precision parameter that has a gradient (float32 runs pass untouched)."""
+    for group_index, group in enumerate(optimizer.param_groups):
+        for index, param in enumerate(group["params"]):
+            if param.dtype in LOW_PRECISION and param.grad is not None:
+                raise ValueError(DISABLED_MESSAGE.format(name=describe(group_index, index, param), dtype=param.dtype))

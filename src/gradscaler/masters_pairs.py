@@ -1,0 +1,102 @@
+"""One low-precision parameter and its float32 master (``Pair``), and the masters of one optimizer (``Binding``).
+
+A pair knows whether its parameter was written since the master was last equal to it rounded (its
+version counter and storage), refreshes the master from it, and takes a master value loaded from a
+checkpoint. A binding ends an iteration: the kept float16 gradients dropped, the clipping route closed.
+``masters.MasterWeights`` builds them and steers them through the iteration.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from gradscaler import masters_checkpoint as checkpoint
+from gradscaler.masters_wrappers import unroute
+
+
+def _storage(tensor: torch.Tensor) -> int | None:
+    """Where a plain tensor's values live (a ``p.data = ...`` moves it); None for subclasses (DTensor)."""
+    return tensor.data_ptr() if type(tensor) in (torch.Tensor, torch.nn.Parameter) else None
+
+
+@dataclass
+class Pair:
+    """One low-precision parameter and its master, with what tells whether the parameter was written
+    since the master was last equal to it rounded (its version counter and storage)."""
+
+    low: torch.Tensor
+    master: torch.Tensor
+    low_version: int = -1
+    low_storage: int | None = None
+    pending: torch.Tensor | None = None  # a master value loaded from a checkpoint, checked at the next move
+    kept: torch.Tensor | None = None  # the parameter's gradient after the user's ``unscale_``, until ``step``
+    kept_version: int = 0
+
+    def written(self) -> bool:
+        """Whether the parameter may differ from its master rounded."""
+        return self.low._version != self.low_version or _storage(self.low) != self.low_storage
+
+    def seen(self) -> None:
+        """Note the parameter's version and storage: it now equals its master rounded."""
+        self.low_version = self.low._version
+        self.low_storage = _storage(self.low)
+
+    def refresh(self) -> None:
+        """Make the master a loaded master value that rounds to the whole parameter as it is now, else the
+        parameter's values wherever the master does not round to them (a model load of the same values
+        keeps the master's precision), and note the parameter's version and storage."""
+        loaded = None if self.pending is None else checkpoint.claims(self.pending, self.low)
+        if loaded is not None:
+            self.master.copy_(loaded)
+        else:
+            rounded = self.master.to(self.low.dtype)
+            self.master.copy_(torch.where(rounded != self.low, self.low.to(torch.float32), self.master))
+        self.pending = None
+        self.seen()
+
+    def load(self, value: torch.Tensor) -> None:
+        """A master value from a checkpoint loaded into the optimizer: taken now if it rounds to the
+        parameter everywhere (the model's checkpoint loaded first), and again at the next move against
+        the parameter as it is then (the model's checkpoint loaded after the optimizer's)."""
+        self.pending = value.detach().to(device=self.master.device, dtype=torch.float32, copy=True)
+        loaded = checkpoint.claims(self.pending, self.low)
+        if loaded is not None:
+            self.master.copy_(loaded)
+        self.low_version = -1
+
+
+@dataclass
+class Binding:
+    """The masters of one optimizer, whether this iteration's gradients are in them, and the hooks that
+    carry them through its state dict."""
+
+    pairs: list[Pair] = field(default_factory=list)
+    by_master: dict[int, Pair] = field(default_factory=dict)
+    moved: bool = False
+    hooks: list[Any] = field(default_factory=list)
+
+    def lows(self) -> list[torch.Tensor]:
+        return [pair.low for pair in self.pairs]
+
+    def restore(self, master: torch.Tensor, value: torch.Tensor) -> None:
+        """A saved master ``value`` loaded for the optimizer's parameter ``master`` (``Pair.load``)."""
+        pair = self.by_master.get(id(master))
+        if pair is not None and value.shape == pair.master.shape:
+            pair.load(value)
+
+    def end(self) -> None:
+        """The iteration is over: the next contact moves afresh, and clipping sees the parameters again."""
+        self.moved = False
+        self.drop_kept()
+        for pair in self.pairs:
+            unroute(pair.low)
+
+    def drop_kept(self) -> None:
+        """Drop each kept float16 gradient the parameter still holds (a new backward's is not touched)."""
+        for pair in self.pairs:
+            if pair.kept is not None and pair.low.grad is pair.kept:
+                pair.low.grad = None
+            pair.kept = None

@@ -1,0 +1,99 @@
+"""What ``master_weights=True`` puts around the user's objects so their own calls reach the masters.
+
+* ``unwrap``: the optimizer an Accelerate or Lightning wrapper stands for (it shares its ``param_groups``).
+* ``clip_grad_norm_``: ``torch.nn.utils.clip_grad_norm_`` once gradients are in masters (``route_clipping``
+  installs it): a float16 parameter whose gradient a scaler moved (``route``) is clipped through its
+  master, every other parameter as torch clips it.
+* ``ZeroGradBoth``: a bound optimizer's ``zero_grad``, which also clears the float16/bfloat16 parameters'
+  gradients (a backward writes them; the optimizer holds the masters).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+# Low-precision parameters whose gradients are in their masters this iteration -> those masters, for
+# every scaler: ``stand_ins`` lets a clipping call over ``model.parameters()`` reach the masters.
+_MOVED = WeakIdKeyDictionary()  # weakref's own dictionary compares tensors with ==
+torch_clip_grad_norm_ = torch.nn.utils.clip_grad_norm_
+"""torch's own ``clip_grad_norm_``, as torch defines it."""
+
+
+def route(low: torch.Tensor, master: torch.Tensor) -> None:
+    """``low``'s gradient is now ``master``'s: a clipping over ``low`` clips ``master``."""
+    _MOVED[low] = master
+
+
+def unroute(low: torch.Tensor) -> None:
+    """``low``'s iteration is over: a clipping over it clips it again."""
+    _MOVED.pop(low, None)
+
+
+def stand_ins(parameters: torch.Tensor | Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """``parameters`` with each low-precision parameter whose gradient a scaler has moved this iteration
+    replaced by its master (whose gradient is the one the optimizer steps with)."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    return [_MOVED.get(p, p) for p in params]
+
+
+def clip_grad_norm_(parameters: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` once a scaler with masters has moved gradients: float16
+    parameters whose gradients are in float32 masters are clipped through those masters
+    (``scaler.unscale_(opt); torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` as in torch's
+    recipe, nanoGPT, Accelerate and the HF Trainer); every other parameter as torch clips it."""
+    return torch_clip_grad_norm_(stand_ins(parameters), *args, **kwargs)
+
+
+def route_clipping() -> None:
+    """Make ``torch.nn.utils.clip_grad_norm_`` reach the masters (``clip_grad_norm_``) unless someone else
+    rebound it. Without it, clipping ``model.parameters()`` after ``unscale_`` would find no gradients."""
+    if torch.nn.utils.clip_grad_norm_ is torch_clip_grad_norm_:
+        torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
+
+
+def unwrap(optimizer: Any) -> Any:
+    """The optimizer a wrapper stands for: Accelerate's ``AcceleratedOptimizer`` and Lightning's
+    optimizers hold it as ``.optimizer`` (or ``._optimizer``) and share its ``param_groups``."""
+    while True:
+        inner = getattr(optimizer, "optimizer", None)
+        if inner is None or getattr(inner, "param_groups", None) is not optimizer.param_groups:
+            inner = getattr(optimizer, "_optimizer", None)
+            if inner is None or getattr(inner, "param_groups", None) is not optimizer.param_groups:
+                return optimizer
+        optimizer = inner
+
+
+class ZeroGradBoth:
+    """``optimizer.zero_grad`` of a bound optimizer: torch's, then the same for the float16/bfloat16
+    parameters its masters stand for (``lows()``), whose gradients a backward writes and the optimizer
+    no longer holds.
+
+    Installed on the instance (``Optimizer.__getstate__`` leaves it out of pickles and deep copies,
+    which bind afresh); holds the optimizer weakly."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, lows: Callable[[], Iterable[torch.Tensor]]) -> None:
+        self._optimizer = weakref.ref(optimizer)
+        self._lows = lows
+
+    def __call__(self, set_to_none: bool = True) -> None:
+        optimizer = self._optimizer()
+        if optimizer is None:
+            return
+        type(optimizer).zero_grad(optimizer, set_to_none)
+        for low in self._lows():
+            grad = low.grad
+            if grad is None:
+                continue
+            if set_to_none:
+                low.grad = None
+                continue
+            if grad.grad_fn is not None:
+                grad.detach_()
+            else:
+                grad.requires_grad_(False)
+            grad.zero_()
