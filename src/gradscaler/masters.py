@@ -62,7 +62,7 @@ from gradscaler.masters_checks import (
     stands_in,
 )
 from gradscaler.masters_pairs import Binding, Pair
-from gradscaler.masters_wrappers import ZeroGradBoth, route, route_clipping, unwrap
+from gradscaler.masters_wrappers import AddParamGroupChecked, ZeroGradBoth, route, route_clipping, unwrap
 
 # Reached through ``gradscaler.masters`` (docs/migration.md names ``gradscaler.masters.clip_grad_norm_``).
 from gradscaler.masters_wrappers import clip_grad_norm_ as clip_grad_norm_
@@ -344,39 +344,45 @@ class MasterWeights:
         if not any(stands_in(p) for p in grads.iter_params(optimizer)):
             return binding  # nothing to master (yet): bound when a low-precision parameter appears
         check_inner_optimizers(optimizer)
-        check_params(optimizer, binding.by_master, self._owners)
+        check_params(optimizer, binding.by_master, self._owners, {id(low) for low in binding.lows()})
         with torch.no_grad():
             for group in optimizer.param_groups:
                 saved = group.pop(SAVED_KEY, None) or {}
-                params = group["params"]
-                for index, param in enumerate(params):
-                    if id(param) in binding.by_master:
-                        continue
-                    if needs_master(param):
-                        master = checkpoint.master_of(param, saved.get("masters", {}).get(index))
-                        state = checkpoint.state_for_master(
-                            optimizer.state.pop(param, None), saved.get("state", {}).get(index), param.dtype
-                        )
-                        if state is not None:
-                            optimizer.state[master] = state
-                        setattr(master, PARAM_ATTR, param)
-                        params[index] = master
-                        pair = Pair(master=master, low=param)
-                        pair.seen()
-                    elif stands_in(param):  # a copied master: bound to its copied parameter, checked first
-                        pair = Pair(master=param, low=getattr(param, PARAM_ATTR))
-                    else:
-                        continue
-                    binding.pairs.append(pair)
-                    binding.by_master[id(pair.master)] = pair
-                    self._owners[pair.low] = weakref.ref(optimizer)
+                for index, param in enumerate(group["params"]):
+                    if id(param) not in binding.by_master:
+                        self._bind_param(optimizer, binding, group, index, saved)
         if fresh:  # the hooks of an earlier binding (another scaler's) give way: one binding steers
-            binding.hooks = checkpoint.install_hooks(
-                optimizer, checkpoint.save_hook(binding.by_master), checkpoint.load_hook(binding.restore, binding.end)
-            )
+            save, load = checkpoint.save_hook(binding.by_master), checkpoint.load_hook(binding.restore, binding.end)
+            binding.hooks = checkpoint.install_hooks(optimizer, save, load)
             optimizer.zero_grad = ZeroGradBoth(optimizer, binding.lows)  # type: ignore[method-assign]
+            optimizer.add_param_group = AddParamGroupChecked(optimizer, binding.lows)  # type: ignore[method-assign]
             self._bindings[optimizer] = binding
         return binding
+
+    def _bind_param(
+        self, optimizer: torch.optim.Optimizer, binding: Binding, group: dict[str, Any], index: int, saved: Any
+    ) -> None:
+        """Give ``group["params"][index]`` its master (a low-precision parameter), or bind a copied master to
+        its parameter."""
+        param = group["params"][index]
+        value = saved.get("masters", {}).get(index)
+        if needs_master(param):
+            master = checkpoint.master_of(param, value)
+            loaded = optimizer.state.pop(param, None)
+            state = checkpoint.state_for_master(loaded, saved.get("state", {}).get(index), param.dtype)
+            if state is not None:
+                optimizer.state[master] = state
+            setattr(master, PARAM_ATTR, param)
+            group["params"][index] = master
+            pair = Pair(master=master, low=param)
+            pair.seen()
+        elif stands_in(param):  # a copied master: bound to its copied parameter, checked first
+            pair = Pair(master=param, low=getattr(param, PARAM_ATTR))
+        else:
+            return
+        binding.pairs.append(pair)
+        binding.by_master[id(pair.master)] = pair
+        self._owners[pair.low] = weakref.ref(optimizer)
 
 
 class NoMasters:

@@ -60,18 +60,23 @@ def stands_in(param: torch.Tensor) -> bool:
     return needs_master(param) or (param.dtype == torch.float32 and hasattr(param, PARAM_ATTR))
 
 
-def check_params(optimizer: torch.optim.Optimizer, bound: Container[int], owners: Mapping[Any, Any]) -> None:
+def check_params(
+    optimizer: torch.optim.Optimizer, bound: Container[int], owners: Mapping[Any, Any], lows: Container[int]
+) -> None:
     """Refuse, before changing anything, a parameter no master can be built for or one held twice.
 
     ``bound``: the ids of the masters bound already (checked when they were bound); ``owners``: each
-    low-precision parameter -> a weak reference to the optimizer whose master stands for it."""
+    low-precision parameter -> a weak reference to the optimizer whose master stands for it; ``lows``:
+    the ids of the parameters ``optimizer``'s masters stand for (one of them back in its groups is held
+    twice: once as itself, once as its master)."""
     seen: dict[int, str] = {}
     for group_index, group in enumerate(optimizer.param_groups):
         for index, param in enumerate(group["params"]):
             name = describe(group_index, index, param)
-            if id(param) in seen:
+            if id(param) in seen or id(param) in lows:
+                first = seen.get(id(param), "its float32 master")
                 raise ValueError(
-                    f"master_weights=True: the optimizer holds one parameter twice, as {seen[id(param)]} and as "
+                    f"master_weights=True: the optimizer holds one parameter twice, as {first} and as "
                     f"{name}. A float32 master can stand for it only once: list each parameter in one place."
                 )
             seen[id(param)] = name

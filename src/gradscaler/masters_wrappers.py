@@ -6,6 +6,8 @@
   master, every other parameter as torch clips it.
 * ``ZeroGradBoth``: a bound optimizer's ``zero_grad``, which also clears the float16/bfloat16 parameters'
   gradients (a backward writes them; the optimizer holds the masters).
+* ``AddParamGroupChecked``: a bound optimizer's ``add_param_group``, which refuses a parameter its masters
+  stand for as torch refuses one the optimizer holds.
 """
 
 from __future__ import annotations
@@ -97,3 +99,30 @@ class ZeroGradBoth:
             else:
                 grad.requires_grad_(False)
             grad.zero_()
+
+
+class AddParamGroupChecked:
+    """``optimizer.add_param_group`` of a bound optimizer: torch's, after refusing a group that holds a
+    parameter a master of ``optimizer`` already stands for, as torch refuses one it holds (same error,
+    nothing added). torch cannot see it: the groups hold the master, not the parameter.
+
+    Installed on the instance like ``ZeroGradBoth``; holds the optimizer weakly."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, lows: Callable[[], Iterable[torch.Tensor]]) -> None:
+        self._optimizer = weakref.ref(optimizer)
+        self._lows = lows
+
+    def __call__(self, param_group: dict[str, Any]) -> None:
+        optimizer = self._optimizer()
+        if optimizer is None:
+            return
+        params = param_group.get("params")
+        if isinstance(params, torch.Tensor):
+            param_group["params"] = params = [params]
+        elif params is not None and not isinstance(params, set):  # torch refuses a set with its own message
+            param_group["params"] = params = list(params)
+        if params is not None and not isinstance(params, set):
+            held = {id(low) for low in self._lows()}
+            if any(id(p) in held for p in params):
+                raise ValueError("some parameters appear in more than one parameter group")
+        type(optimizer).add_param_group(optimizer, param_group)

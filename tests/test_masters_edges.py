@@ -1,0 +1,70 @@
+"""master_weights=True at the last edges (issue 29), against the recipe by hand (tests/recipe.py) or the
+documented behaviour: a parameter added twice, a checkpoint taken while a trained block is frozen, a
+change of dtype, state an optimizer makes at construction, a float32 parameter resumed from a float16
+run's masters, and torch's distributed-checkpoint helpers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from gradscaler import GradScaler
+from recipe import (
+    OPTIMIZERS,
+    MakeOptimizer,
+    Ours,
+    Recipe,
+    System,
+    assert_same_trace,
+    new_trace,
+)
+from test_masters_lifecycle import Experts, run
+
+SCALES: dict[str, Any] = {"init_scale": 2.0**10, "growth_interval": 3}  # applied steps from the first on
+
+
+def ours_with(make: MakeOptimizer, seed: int = 0) -> Ours:
+    return Ours(Experts(seed=seed), make, GradScaler("cpu", master_weights=True, **SCALES))
+
+
+def recipe_with(make: MakeOptimizer) -> Recipe:
+    return Recipe(Experts(), make, torch.amp.GradScaler("cpu", **SCALES))
+
+
+def both_with(make: MakeOptimizer) -> tuple[Ours, Recipe]:
+    return ours_with(make), recipe_with(make)
+
+
+# 1. A float16 parameter added twice ------------------------------------------------------------------------
+
+
+def lm_head_group(system: System) -> dict[str, Any]:
+    """A group that re-adds a parameter the optimizer holds (weight tying: a group for the head that
+    re-adds the tied input weight)."""
+    return {"params": [system.model.head.weight], "lr": 1e-3}
+
+
+@pytest.mark.parametrize("name", ["sgd_momentum_forloop", "adamw_fused"])
+def test_adding_a_held_float16_parameter_again_is_refused_as_torch_refuses_it(name: str) -> None:
+    ours, reference = both_with(OPTIMIZERS[name])
+    trace, expected = run(ours, range(3), new_trace()), run(reference, range(3), new_trace())
+    groups = [[id(p) for p in g["params"]] for g in ours.optimizer.param_groups]
+    with pytest.raises(ValueError, match=r"^some parameters appear in more than one parameter group$"):
+        reference.optimizer.add_param_group({"params": [reference.copies.params()[-2]], "lr": 1e-3})
+    with pytest.raises(ValueError, match=r"^some parameters appear in more than one parameter group$"):
+        ours.optimizer.add_param_group(lm_head_group(ours))
+    assert [[id(p) for p in g["params"]] for g in ours.optimizer.param_groups] == groups  # nothing changed
+    assert_same_trace(run(ours, range(3, 8), trace), run(reference, range(3, 8), expected))
+
+
+def test_a_held_float16_parameter_put_back_into_the_groups_by_hand_is_refused_at_the_next_step() -> None:
+    ours = ours_with(OPTIMIZERS["adamw_foreach"])
+    run(ours, range(2), new_trace())
+    ours.optimizer.param_groups[0]["params"].append(ours.model.head.weight)
+    with pytest.raises(
+        ValueError, match=r"holds one parameter twice, as its float32 master and as .*\[0\]\['params'\]"
+    ):
+        run(ours, range(2, 3), new_trace())
