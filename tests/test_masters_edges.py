@@ -18,10 +18,11 @@ from recipe import (
     Ours,
     Recipe,
     System,
+    assert_same_state,
     assert_same_trace,
     new_trace,
 )
-from test_masters_lifecycle import Experts, run
+from test_masters_lifecycle import STEPS, Experts, run
 
 SCALES: dict[str, Any] = {"init_scale": 2.0**10, "growth_interval": 3}  # applied steps from the first on
 
@@ -68,3 +69,18 @@ def test_a_held_float16_parameter_put_back_into_the_groups_by_hand_is_refused_at
         ValueError, match=r"holds one parameter twice, as its float32 master and as .*\[0\]\['params'\]"
     ):
         run(ours, range(2, 3), new_trace())
+
+
+# 3. A change of dtype is no write ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float", "bfloat16"])
+def test_changing_the_models_dtype_keeps_the_masters_as_the_recipe_does(dtype: torch.dtype) -> None:
+    ours, reference = both_with(OPTIMIZERS["adamw_foreach"])
+    trace, expected = run(ours, range(6), new_trace()), run(reference, range(6), new_trace())
+    for system in (ours, reference):  # the float16 layers, as model.to(dtype) converts them; the norm stays
+        for module in (system.model.inp, system.model.experts, system.model.layerdrop, system.model.head):
+            module.to(dtype)
+        system.model.dtype = dtype
+    assert_same_trace(run(ours, range(6, STEPS), trace), run(reference, range(6, STEPS), expected))
+    assert_same_state(ours.optimizer, reference.optimizer)

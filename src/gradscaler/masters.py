@@ -52,6 +52,7 @@ from gradscaler import masters_checkpoint as checkpoint
 from gradscaler.kernels import GradStats, grad_stats, move_grads_, moved
 from gradscaler.masters_checkpoint import SAVED_KEY
 from gradscaler.masters_checks import (
+    LOW_PRECISION,
     PARAM_ATTR,
     WRITTEN_LOW_GRADS_MESSAGE,
     check_inner_optimizers,
@@ -142,11 +143,17 @@ def _dense(grad: torch.Tensor) -> bool:
     return type(grad) is torch.Tensor and grad.layout is torch.strided and grad.is_contiguous()
 
 
+def _movable(grad: torch.Tensor) -> bool:
+    """Whether the move's one pass takes ``grad``: dense, and float16 or bfloat16 (after ``model.float()``
+    a bound parameter's gradient is float32, copied as it is)."""
+    return _dense(grad) and grad.dtype in LOW_PRECISION
+
+
 def _one_pass(optimizer: torch.optim.Optimizer, binding: Binding, moving: list[tuple[Pair, torch.Tensor]]) -> bool:
     """Whether the move's norms are those of one pass over every gradient of ``optimizer``: all moved
     gradients dense and of one device and dtype, and no other parameter of ``optimizer`` has one."""
     kinds = {(grad.device, grad.dtype) for _, grad in moving}
-    if len(kinds) > 1 or not all(_dense(grad) for _, grad in moving):
+    if len(kinds) > 1 or not all(_movable(grad) for _, grad in moving):
         return False
     return all(p.grad is None for p in grads.iter_params(optimizer) if id(p) not in binding.by_master)
 
@@ -243,7 +250,7 @@ class MasterWeights:
         batches: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], ...]] = {}
         for pair, grad in moving:
             master = pair.master
-            if _dense(grad):
+            if _movable(grad):
                 out = master.grad
                 if out is None or type(out) is not torch.Tensor or not out.is_contiguous():
                     out = master.grad = torch.empty(grad.shape, dtype=torch.float32, device=grad.device)

@@ -31,6 +31,7 @@ class Pair:
     master: torch.Tensor
     low_version: int = -1
     low_storage: int | None = None
+    low_dtype: torch.dtype | None = None  # the parameter's dtype when it last equalled its master rounded
     pending: torch.Tensor | None = None  # a master value loaded from a checkpoint, checked at the next move
     kept: torch.Tensor | None = None  # the parameter's gradient after the user's ``unscale_``, until ``step``
     kept_version: int = 0
@@ -43,16 +44,18 @@ class Pair:
         """Note the parameter's version and storage: it now equals its master rounded."""
         self.low_version = self.low._version
         self.low_storage = _storage(self.low)
+        self.low_dtype = self.low.dtype
 
     def refresh(self) -> None:
         """Make the master a loaded master value that rounds to the whole parameter as it is now, else the
-        parameter's values wherever the master does not round to them (a model load of the same values
-        keeps the master's precision), and note the parameter's version and storage."""
+        parameter's values wherever the master, rounded to the parameter's dtype when last seen and then to
+        its dtype now, differs from them (a model load of the same values keeps the master's precision, and
+        so does ``model.float()`` or ``model.bfloat16()``), and note the parameter's version and storage."""
         loaded = None if self.pending is None else checkpoint.claims(self.pending, self.low)
         if loaded is not None:
             self.master.copy_(loaded)
-        else:
-            rounded = self.master.to(self.low.dtype)
+        else:  # rounded as when last seen: a change of dtype or storage that kept the values is no write
+            rounded = self.master.to(self.low_dtype or self.low.dtype).to(self.low.dtype)
             self.master.copy_(torch.where(rounded != self.low, self.low.to(torch.float32), self.master))
         self.pending = None
         self.seen()
