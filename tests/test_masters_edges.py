@@ -6,6 +6,7 @@ run's masters, and torch's distributed-checkpoint helpers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -22,7 +23,7 @@ from recipe import (
     assert_same_trace,
     new_trace,
 )
-from test_masters_lifecycle import STEPS, Experts, run
+from test_masters_lifecycle import STEPS, Experts, assert_same_run, run
 
 SCALES: dict[str, Any] = {"init_scale": 2.0**10, "growth_interval": 3}  # applied steps from the first on
 
@@ -84,3 +85,14 @@ def test_changing_the_models_dtype_keeps_the_masters_as_the_recipe_does(dtype: t
         system.model.dtype = dtype
     assert_same_trace(run(ours, range(6, STEPS), trace), run(reference, range(6, STEPS), expected))
     assert_same_state(ours.optimizer, reference.optimizer)
+
+
+# 4. State made at construction ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["forloop", "fused"])
+def test_adagrads_initial_accumulator_is_built_in_float32_as_the_recipe_builds_it(fused: bool) -> None:
+    make: Callable[[list[torch.Tensor]], torch.optim.Optimizer] = lambda p: torch.optim.Adagrad(  # noqa: E731
+        p, lr=0.05, initial_accumulator_value=0.1, fused=fused
+    )
+    assert_same_run(*both_with(make))

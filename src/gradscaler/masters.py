@@ -376,7 +376,8 @@ class MasterWeights:
         if needs_master(param):
             master = checkpoint.master_of(param, value)
             loaded = optimizer.state.pop(param, None)
-            state = checkpoint.state_for_master(loaded, saved.get("state", {}).get(index), param.dtype)
+            made = checkpoint.constructed(optimizer, master)
+            state = checkpoint.state_for_master(loaded, saved.get("state", {}).get(index), param.dtype, made)
             if state is not None:
                 optimizer.state[master] = state
             setattr(master, PARAM_ATTR, param)

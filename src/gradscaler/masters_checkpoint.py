@@ -41,24 +41,45 @@ def claims(saved: torch.Tensor, param: torch.Tensor) -> torch.Tensor | None:
 
 
 def state_for_master(
-    loaded: dict[str, Any] | None, saved: dict[str, Any] | None, low_dtype: torch.dtype
+    loaded: dict[str, Any] | None,
+    saved: dict[str, Any] | None,
+    low_dtype: torch.dtype,
+    made: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, Any] | None:
     """The optimizer state of a new master: ``loaded`` (the low-precision parameter's, as the optimizer
-    holds it) widened to float32, except each value the checkpoint's float32 state gives exactly: one
-    that rounds to the loaded value, saved at the same step."""
+    holds it) widened to float32, except each value given exactly: by the checkpoint's float32 state
+    saved at the same step, or, for a state no step has touched, by ``made`` (what the optimizer's
+    constructor makes, built on the master: ``constructed``); either only where it rounds to the loaded
+    value."""
     if loaded is None:
         return None
     state = dict(loaded)
     same_step = saved is not None and same(saved.get("step"), loaded.get("step"))
+    exact = saved if same_step else made if made and _untouched(loaded) else None
     for key, value in state.items():
         if key == "step" or not isinstance(value, torch.Tensor) or value.dtype != low_dtype:
             continue
-        exact = saved.get(key) if same_step and saved is not None else None
-        if isinstance(exact, torch.Tensor) and exact.shape == value.shape and same(exact.to(value.dtype), value):
-            state[key] = exact.to(device=value.device, dtype=torch.float32, copy=True)
+        given = exact.get(key) if exact is not None else None
+        if isinstance(given, torch.Tensor) and given.shape == value.shape and same(given.to(value.dtype), value):
+            state[key] = given.to(device=value.device, dtype=torch.float32, copy=True)
         else:
             state[key] = value.float()
     return state
+
+
+def constructed(optimizer: torch.optim.Optimizer, master: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The state ``optimizer``'s constructor makes for a parameter, built on ``master`` as the recipe by
+    hand builds it on its float32 copy. In torch.optim only ``Adagrad`` makes state at construction: ``sum``
+    filled with ``initial_accumulator_value`` (0.1 in float16 is 0.0999756)."""
+    if isinstance(optimizer, torch.optim.Adagrad) and not torch.is_complex(master):
+        return {"sum": torch.full_like(master, optimizer.defaults["initial_accumulator_value"])}
+    return {}
+
+
+def _untouched(state: dict[str, Any]) -> bool:
+    """Whether no step has touched ``state``: its ``step`` is 0."""
+    step = state.get("step")
+    return isinstance(step, (torch.Tensor, int, float)) and float(step) == 0
 
 
 def same(a: Any, b: Any) -> bool:
