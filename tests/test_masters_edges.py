@@ -23,7 +23,7 @@ from recipe import (
     assert_same_trace,
     new_trace,
 )
-from test_masters_lifecycle import STEPS, Experts, assert_same_run, run
+from test_masters_lifecycle import STEPS, Experts, assert_same_run, load, run, save
 
 SCALES: dict[str, Any] = {"init_scale": 2.0**10, "growth_interval": 3}  # applied steps from the first on
 
@@ -70,6 +70,62 @@ def test_a_held_float16_parameter_put_back_into_the_groups_by_hand_is_refused_at
         ValueError, match=r"holds one parameter twice, as its float32 master and as .*\[0\]\['params'\]"
     ):
         run(ours, range(2, 3), new_trace())
+
+
+# 2. A checkpoint taken while a trained block is frozen --------------------------------------------------------
+
+FROZEN = range(4, 9)  # expert 0 trains, is frozen at iteration 4 (a checkpoint at 6), trains again from 9
+ADAGRAD: MakeOptimizer = lambda p: torch.optim.Adagrad(p, lr=0.05)  # noqa: E731
+FREEZE_OPTIMIZERS: dict[str, MakeOptimizer] = {
+    "adamw_foreach": OPTIMIZERS["adamw_foreach"],
+    "sgd_momentum_forloop": OPTIMIZERS["sgd_momentum_forloop"],
+    "adam_fused": lambda p: torch.optim.Adam(p, lr=1e-2, fused=True),
+    "adagrad": ADAGRAD,
+}
+
+
+def run_freezing(system: System, steps: range, trace: dict[str, list[Any]]) -> dict[str, list[Any]]:
+    """``run``, with expert 0 frozen (``requires_grad_(False)``) over ``FROZEN``, as a schedule does."""
+    for step in steps:
+        system.model.experts[0].requires_grad_(step not in FROZEN)
+        run(system, range(step, step + 1), trace)
+    return trace
+
+
+def resumed(name: str, blob: bytes, order: str) -> Ours:
+    """A new process's run resumed from ``blob`` at iteration 6, expert 0 frozen as the schedule says.
+    ``order``: the model's or the optimizer's checkpoint loaded first, before any step; or ``bound-*``:
+    after an iteration that binds the optimizer's other masters and ends without a step."""
+    system = ours_with(FREEZE_OPTIMIZERS[name], seed=9)
+    system.model.experts[0].requires_grad_(False)
+    if order.startswith("bound"):
+        run(system, range(6, 7), new_trace(), pattern="no_step")  # 6 % 4 == 2: unscale_ + update only
+    return load(system, blob, optimizer_first=order.endswith("optimizer-first"))  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("order", ["model-first", "optimizer-first", "bound-model-first", "bound-optimizer-first"])
+@pytest.mark.parametrize("name", list(FREEZE_OPTIMIZERS))
+def test_a_checkpoint_taken_while_a_trained_block_is_frozen_resumes_as_the_recipe(name: str, order: str) -> None:
+    ours, reference = both_with(FREEZE_OPTIMIZERS[name])
+    trace, expected = run_freezing(ours, range(6), new_trace()), run_freezing(reference, range(6), new_trace())
+    again = resumed(name, save(ours), order)
+    low = again.model.experts[0].weight
+    assert_same_trace(run_freezing(again, range(6, STEPS), trace), run_freezing(reference, range(6, STEPS), expected))
+    assert_same_state(again.optimizer, reference.optimizer)
+    assert any(p is low for p, _ in again.scaler.master_weights(again.optimizer))
+
+
+def test_a_block_frozen_from_the_start_gets_no_master_even_with_adagrads_constructed_state() -> None:
+    """The promise for LoRA on a float16 base stands: a frozen parameter never stepped gets no master."""
+    model = Experts()
+    model.experts[0].requires_grad_(False)
+    optimizer = ADAGRAD(list(model.parameters()))
+    assert model.experts[0].weight in optimizer.state  # Adagrad made state for it at construction
+    ours = Ours.__new__(Ours)
+    ours.model, ours.optimizer, ours.scaler = model, optimizer, GradScaler("cpu", master_weights=True, **SCALES)
+    run(ours, range(2), new_trace())
+    lows = [p for p, _ in ours.scaler.master_weights(optimizer)]
+    assert lows and not any(p is model.experts[0].weight for p in lows)
 
 
 # 3. A change of dtype is no write ---------------------------------------------------------------------------

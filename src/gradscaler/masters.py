@@ -61,6 +61,7 @@ from gradscaler.masters_checks import (
     needs_master,
     refuse_disabled,
     stands_in,
+    trained,
 )
 from gradscaler.masters_pairs import Binding, Pair
 from gradscaler.masters_wrappers import AddParamGroupChecked, ZeroGradBoth, route, route_clipping, unwrap
@@ -344,11 +345,14 @@ class MasterWeights:
     def _bind(self, optimizer: torch.optim.Optimizer) -> Binding:
         binding = self._bindings.get(optimizer)
         fresh = binding is None
+        loaded = any(SAVED_KEY in group for group in optimizer.param_groups)  # a checkpoint's masters not taken
         if binding is None:
             binding = Binding()
-        elif not any(id(p) not in binding.by_master and stands_in(p) for p in grads.iter_params(optimizer)):
+        elif not loaded and not any(
+            id(p) not in binding.by_master and stands_in(p) for p in grads.iter_params(optimizer)
+        ):
             return binding  # the common case: nothing new since the last contact
-        if not any(stands_in(p) for p in grads.iter_params(optimizer)):
+        if not loaded and not any(stands_in(p) for p in grads.iter_params(optimizer)):
             return binding  # nothing to master (yet): bound when a low-precision parameter appears
         check_inner_optimizers(optimizer)
         check_params(optimizer, binding.by_master, self._owners, {id(low) for low in binding.lows()})
@@ -373,7 +377,7 @@ class MasterWeights:
         its parameter."""
         param = group["params"][index]
         value = saved.get("masters", {}).get(index)
-        if needs_master(param):
+        if needs_master(param, trained(param, optimizer.state) or value is not None):
             master = checkpoint.master_of(param, value)
             loaded = optimizer.state.pop(param, None)
             made = checkpoint.constructed(optimizer, master)

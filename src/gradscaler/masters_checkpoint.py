@@ -113,10 +113,11 @@ def save_hook(bound: Container[int]) -> Callable[[torch.optim.Optimizer, dict[st
 
 
 def load_hook(
-    restore: Callable[[torch.Tensor, torch.Tensor], None], done: Callable[[], None]
+    restore: Callable[[torch.Tensor, torch.Tensor], bool], done: Callable[[], None]
 ) -> Callable[[torch.optim.Optimizer], None]:
     """The ``load_state_dict`` post-hook of a bound optimizer: its groups hold the masters already, so the
-    loaded state kept float32; ``restore(master, saved value)`` for each saved master, then ``done()``."""
+    loaded state kept float32; ``restore(param, saved value)`` for each saved master (False: ``param`` is no
+    master; its saved entry stays in the group for the next binding), then ``done()``."""
 
     def hook(optimizer: torch.optim.Optimizer) -> None:
         with torch.no_grad():
@@ -124,8 +125,13 @@ def load_hook(
                 saved = group.pop(SAVED_KEY, None)
                 if not saved:
                     continue
-                for index, value in saved["masters"].items():
-                    restore(group["params"][index], value)
+                left = [i for i, value in saved["masters"].items() if not restore(group["params"][i], value)]
+                if left:  # a parameter with no master yet (frozen before this binding): taken at the next move
+                    state = saved.get("state", {})
+                    group[SAVED_KEY] = {
+                        "masters": {i: saved["masters"][i] for i in left},
+                        "state": {i: state[i] for i in left if i in state},
+                    }
         done()
 
     return hook

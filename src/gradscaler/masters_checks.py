@@ -50,14 +50,30 @@ def describe(group: int, index: int, param: torch.Tensor) -> str:
     return f"optimizer.param_groups[{group}]['params'][{index}] (shape {tuple(param.shape)}, {param.dtype})"
 
 
-def needs_master(param: torch.Tensor) -> bool:
-    """Whether the optimizer should step a float32 master instead of ``param``."""
-    return param.dtype in LOW_PRECISION and param.requires_grad
+def needs_master(param: torch.Tensor, trained: bool = False) -> bool:
+    """Whether the optimizer should step a float32 master instead of ``param``: a low-precision parameter
+    that requires a gradient, or that ``trained`` (it has optimizer state or a saved master), frozen or
+    not right now: a block frozen after it trained keeps its master's precision and float32 state."""
+    return param.dtype in LOW_PRECISION and (param.requires_grad or trained)
 
 
-def stands_in(param: torch.Tensor) -> bool:
-    """Whether ``param`` needs a master, or is one (a copied optimizer's) that still needs its binding."""
-    return needs_master(param) or (param.dtype == torch.float32 and hasattr(param, PARAM_ATTR))
+def trained(param: torch.Tensor, state: Mapping[Any, Any]) -> bool:
+    """Whether the optimizer stepped the frozen low-precision ``param``: it holds state for it other than
+    what a constructor made before any step (torch's ``Adagrad`` fills ``sum`` for every parameter, frozen
+    ones too, at ``step`` 0). One host read of ``step`` per such parameter; asked at a binding only (a
+    frozen parameter cannot train, so only a load changes the answer, and a load binds afresh)."""
+    if param.requires_grad or param.dtype not in LOW_PRECISION or param not in state:
+        return False
+    step = state[param].get("step")
+    return not isinstance(step, (torch.Tensor, int, float)) or float(step) != 0
+
+
+def stands_in(param: torch.Tensor, trained: bool = False) -> bool:
+    """Whether ``param`` needs a master (``needs_master``), or is one (a copied optimizer's) that still
+    needs its binding."""
+    if param.dtype == torch.float32:
+        return hasattr(param, PARAM_ATTR)
+    return needs_master(param, trained)
 
 
 def check_params(
@@ -80,9 +96,9 @@ def check_params(
                     f"{name}. A float32 master can stand for it only once: list each parameter in one place."
                 )
             seen[id(param)] = name
-            if not stands_in(param) or id(param) in bound:
+            if not stands_in(param, trained(param, optimizer.state)) or id(param) in bound:
                 continue
-            if needs_master(param):
+            if param.dtype != torch.float32:
                 check_buildable(name, param)
             owner = owners.get(getattr(param, PARAM_ATTR, param))
             if owner is not None and owner() is not None and owner() is not optimizer:

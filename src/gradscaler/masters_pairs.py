@@ -84,11 +84,15 @@ class Binding:
     def lows(self) -> list[torch.Tensor]:
         return [pair.low for pair in self.pairs]
 
-    def restore(self, master: torch.Tensor, value: torch.Tensor) -> None:
-        """A saved master ``value`` loaded for the optimizer's parameter ``master`` (``Pair.load``)."""
-        pair = self.by_master.get(id(master))
-        if pair is not None and value.shape == pair.master.shape:
+    def restore(self, param: torch.Tensor, value: torch.Tensor) -> bool:
+        """A saved master ``value`` loaded for the optimizer's parameter ``param``: taken if ``param`` is one
+        of these masters (``Pair.load``); False if it is none."""
+        pair = self.by_master.get(id(param))
+        if pair is None:
+            return False
+        if value.shape == pair.master.shape:
             pair.load(value)
+        return True
 
     def end(self) -> None:
         """The iteration is over: the next contact moves afresh, and clipping sees the parameters again."""
