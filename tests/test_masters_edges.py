@@ -6,6 +6,7 @@ run's masters, and torch's distributed-checkpoint helpers.
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable
 from typing import Any
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from gradscaler import GradScaler
+from gradscaler.masters_checkpoint import SAVED_KEY
 from recipe import (
     OPTIMIZERS,
     MakeOptimizer,
@@ -152,3 +154,41 @@ def test_adagrads_initial_accumulator_is_built_in_float32_as_the_recipe_builds_i
         p, lr=0.05, initial_accumulator_value=0.1, fused=fused
     )
     assert_same_run(*both_with(make))
+
+
+# 6. A float32 parameter resumed from a float16 run's masters (peft loads adapters in float32) -------------
+
+
+def test_a_float32_parameter_continues_from_a_saved_master_that_rounds_to_it() -> None:
+    ours = ours_with(OPTIMIZERS["adamw_foreach"])
+    run(ours, range(6), new_trace())
+    masters = {id(low): master.detach().clone() for low, master in ours.scaler.master_weights(ours.optimizer)}
+    expected = masters[id(ours.model.head.weight)]
+    blob = save(ours)
+    again = ours_with(OPTIMIZERS["adamw_foreach"], seed=9)
+    again.model.head.float()  # as peft's load casts an adapter
+    saved = torch.load(io.BytesIO(blob), weights_only=True)
+    again.model.load_state_dict(saved["model"])
+    again.optimizer.load_state_dict(saved["optimizer"])
+    assert not torch.equal(again.model.head.weight, expected)  # the float16 values: the test can fail
+    with torch.autocast("cpu", dtype=torch.float16):  # the float32 head computes in float16, as under the Trainer
+        run(again, range(6, 7), new_trace(), pattern="no_step")  # binds, steps nothing
+    assert again.model.head.weight.dtype == torch.float32
+    assert torch.equal(again.model.head.weight.detach(), expected)
+    assert all(SAVED_KEY not in group for group in again.optimizer.param_groups)
+
+
+def test_a_float32_parameter_keeps_its_values_where_the_saved_master_does_not_round_to_them() -> None:
+    ours = ours_with(OPTIMIZERS["adamw_foreach"])
+    run(ours, range(6), new_trace())
+    saved = torch.load(io.BytesIO(save(ours)), weights_only=True)
+    again = ours_with(OPTIMIZERS["adamw_foreach"], seed=9)
+    again.model.head.float()
+    again.model.load_state_dict(saved["model"])
+    with torch.no_grad():
+        again.model.head.weight.add_(1e-3)  # an edit since: the saved master belongs to another state
+    edited = again.model.head.weight.detach().clone()
+    again.optimizer.load_state_dict(saved["optimizer"])
+    with torch.autocast("cpu", dtype=torch.float16):
+        run(again, range(6, 7), new_trace(), pattern="no_step")
+    assert torch.equal(again.model.head.weight.detach(), edited)

@@ -373,8 +373,8 @@ class MasterWeights:
     def _bind_param(
         self, optimizer: torch.optim.Optimizer, binding: Binding, group: dict[str, Any], index: int, saved: Any
     ) -> None:
-        """Give ``group["params"][index]`` its master (a low-precision parameter), or bind a copied master to
-        its parameter."""
+        """Give ``group["params"][index]`` its master (a low-precision parameter), bind a copied master to
+        its parameter, or continue a float32 parameter from its saved master (``checkpoint.continues``)."""
         param = group["params"][index]
         value = saved.get("masters", {}).get(index)
         if needs_master(param, trained(param, optimizer.state) or value is not None):
@@ -391,6 +391,9 @@ class MasterWeights:
         elif stands_in(param):  # a copied master: bound to its copied parameter, checked first
             pair = Pair(master=param, low=getattr(param, PARAM_ATTR))
         else:
+            continued = None if value is None else checkpoint.continues(value, param)
+            if continued is not None:
+                param.copy_(continued)
             return
         binding.pairs.append(pair)
         binding.by_master[id(pair.master)] = pair

@@ -82,6 +82,19 @@ def _untouched(state: dict[str, Any]) -> bool:
     return isinstance(step, (torch.Tensor, int, float)) and float(step) == 0
 
 
+def continues(saved: torch.Tensor, param: torch.Tensor) -> torch.Tensor | None:
+    """For a float32 ``param`` at a position whose checkpoint holds a master (a float16/bfloat16 parameter
+    then, cast to float32 since: peft loads adapters in float32): ``saved`` if, rounded to float16 or to
+    bfloat16, it equals the parameter everywhere (its precision below that is the run's own), else None."""
+    if saved.shape != param.shape or param.dtype != torch.float32:
+        return None
+    value = saved.detach().to(device=param.device, dtype=torch.float32)
+    for dtype in (torch.float16, torch.bfloat16):
+        if bool(torch.equal(value.to(dtype).to(torch.float32), param.detach())):
+            return value
+    return None
+
+
 def same(a: Any, b: Any) -> bool:
     """Equal values: tensors bit for bit (on ``b``'s device), other values by ``==``."""
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
