@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from gradscaler import GradScaler
 from gradscaler.masters_checkpoint import SAVED_KEY
@@ -192,3 +194,24 @@ def test_a_float32_parameter_keeps_its_values_where_the_saved_master_does_not_ro
     with torch.autocast("cpu", dtype=torch.float16):
         run(again, range(6, 7), new_trace(), pattern="no_step")
     assert torch.equal(again.model.head.weight.detach(), edited)
+
+
+# 7. torch.distributed.checkpoint's state-dict helpers -----------------------------------------------------
+
+
+def test_get_optimizer_state_dict_is_refused_with_what_to_use_instead() -> None:
+    ours = ours_with(OPTIMIZERS["adamw_foreach"])
+    run(ours, range(2), new_trace())
+    with pytest.raises(ValueError, match=r"master_weights=True.*optimizer.state_dict\(\).*MixedPrecisionPolicy"):
+        get_optimizer_state_dict(ours.model, ours.optimizer)
+    assert SAVED_KEY in ours.optimizer.state_dict()["param_groups"][0]  # the plain state dict still works
+
+
+def test_get_optimizer_state_dict_of_an_optimizer_without_masters_still_works() -> None:
+    model = nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scaler = GradScaler("cpu", master_weights=True)
+    scaler.scale(model(torch.ones(2, 4)).sum()).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    assert set(get_optimizer_state_dict(model, optimizer)["state"]) == {"weight", "bias"}

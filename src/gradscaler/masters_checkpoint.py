@@ -11,7 +11,9 @@ what they need as callables and never hands its pairs down.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Container
+from types import FrameType
 from typing import Any
 
 import torch
@@ -104,9 +106,35 @@ def same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
+DCP_MESSAGE = (
+    "torch.distributed.checkpoint.state_dict cannot name the optimizer's state under "
+    "GradScaler(master_weights=True): the optimizer steps float32 masters, which are not parameters of the "
+    "model, so get_optimizer_state_dict (and set_optimizer_state_dict) find no name for them (a bare KeyError). Save "
+    "and load optimizer.state_dict() itself (it carries the masters and their float32 state; with FSDP2 each "
+    "rank saves its own shards, e.g. torch.save(optimizer.state_dict(), f'optim.{rank}.pt')) beside "
+    "model.state_dict(), or keep FSDP2's parameters in float32 and compute in float16 with "
+    "fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16)): float32 parameters need no "
+    "masters and the distributed-checkpoint helpers work (docs/migration.md, 'Checkpoints')."
+)
+_DCP_MODULE = "torch.distributed.checkpoint.state_dict"
+
+
+def _called_from_dcp() -> bool:
+    """Whether a few frames up, torch's distributed-checkpoint helpers asked for the state dict."""
+    frame: FrameType | None = sys._getframe(2)
+    for _ in range(8):
+        if frame is None:
+            return False
+        if frame.f_globals.get("__name__") == _DCP_MODULE:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def save_hook(bound: Container[int]) -> Callable[[torch.optim.Optimizer, dict[str, Any]], dict[str, Any]]:
     """The ``state_dict`` post-hook: each saved group gets its masters (the parameters whose ids are in
-    ``bound``) and their float32 state."""
+    ``bound``) and their float32 state. ``ValueError`` (``DCP_MESSAGE``) when torch's distributed-checkpoint
+    helpers ask, which would fail on the masters with a bare ``KeyError``."""
 
     def hook(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
         saved_state = state_dict["state"]
@@ -120,6 +148,8 @@ def save_hook(bound: Container[int]) -> Callable[[torch.optim.Optimizer, dict[st
                         state[index] = saved_state[number]  # the same tensors: torch.save writes them once
             if masters:
                 saved[SAVED_KEY] = {"masters": masters, "state": state}
+        if any(SAVED_KEY in saved for saved in state_dict["param_groups"]) and _called_from_dcp():
+            raise ValueError(DCP_MESSAGE)
         return state_dict
 
     return hook
