@@ -240,7 +240,9 @@ def fsdp2_checkpoint(rank: int, world: int) -> dict[str, Any]:
     """A bound optimizer's state dict round-trips under FSDP2: saved before ``CHECKPOINT_STEP`` (with the
     scaler's), two steps trained, both loaded; the masters, parameters and state are back, bit for bit,
     and the replayed step equals the first one; so does the step of a new model, optimizer and scaler
-    that load the checkpoint before their first contact (the masters built from the saved values)."""
+    that load the checkpoint before their first contact (the masters built from the saved values). Then
+    ``get_optimizer_state_dict`` of the bound optimizer."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
     from torch.distributed.fsdp import fully_shard
 
     from gradscaler.masters import SAVED_KEY
@@ -283,7 +285,13 @@ def fsdp2_checkpoint(rank: int, world: int) -> dict[str, Any]:
     new_scaler.load_state_dict(saved_scaler)
     one_step(new_net, new_opt, new_scaler, CHECKPOINT_STEP)
     saved_masters = [m for group in saved["param_groups"] for m in group.get(SAVED_KEY, {}).get("masters", {}).values()]
+    try:  # torch's distributed-checkpoint helper cannot name the masters: refused, saying what to use instead
+        get_optimizer_state_dict(new_net, new_opt)
+        dcp: tuple[str, bool] = ("no error", False)
+    except Exception as error:
+        dcp = (type(error).__name__, "optimizer.state_dict()" in str(error) and "MixedPrecisionPolicy" in str(error))
     return {
+        "dcp": dcp,
         "saved_masters": [(type(m).__name__, m.dtype, repr(getattr(m, "placements", None))) for m in saved_masters],
         "moved_on": moved_on,
         "restored": restored,

@@ -179,7 +179,8 @@ def test_fsdp2_clip_norm_equals_the_one_process_norm(ranks: list[dict[str, Any]]
 def test_fsdp2_optimizer_state_dict_round_trips_the_masters(ranks: list[dict[str, Any]]) -> None:
     """A bound optimizer's state dict (through torch.save) holds float32 DTensor masters; loaded back (with
     the model's and the scaler's), masters, parameters and state are restored bit for bit and the replayed
-    step equals the first; a new model, optimizer and scaler resumed from it take the same step."""
+    step equals the first; a new model, optimizer and scaler resumed from it take the same step.
+    torch.distributed.checkpoint's get_optimizer_state_dict is refused with what to use instead."""
     for rank, item in enumerate(ranks):
         found = item["fsdp2-checkpoint"]
         assert found["saved_masters"] == [("DTensor", torch.float32, "(Shard(dim=0),)")] * 6, found["saved_masters"]
@@ -189,3 +190,4 @@ def test_fsdp2_optimizer_state_dict_round_trips_the_masters(ranks: list[dict[str
         assert found["replayed"], f"rank {rank}: the replayed step differs from the first"
         assert found["resumed"], f"rank {rank}: the resumed run's step differs"
         assert found["rounded"], f"rank {rank}: the float16 shards are not their masters rounded"
+        assert found["dcp"] == ("ValueError", True), f"rank {rank}: get_optimizer_state_dict gave {found['dcp']}"
