@@ -27,7 +27,7 @@ from recipe import (
     assert_same_trace,
     new_trace,
 )
-from test_masters_lifecycle import STEPS, Experts, assert_same_run, load, run, save
+from test_masters_lifecycle import STEPS, Experts, assert_same_run, data, load, run, save
 
 SCALES: dict[str, Any] = {"init_scale": 2.0**10, "growth_interval": 3}  # applied steps from the first on
 
@@ -64,6 +64,25 @@ def test_adding_a_held_float16_parameter_again_is_refused_as_torch_refuses_it(na
         ours.optimizer.add_param_group(lm_head_group(ours))
     assert [[id(p) for p in g["params"]] for g in ours.optimizer.param_groups] == groups  # nothing changed
     assert_same_trace(run(ours, range(3, 8), trace), run(reference, range(3, 8), expected))
+
+
+@pytest.mark.parametrize("form", ["tensor", "list", "generator"])
+def test_add_param_group_reads_params_as_torch_does_refusing_a_held_one_and_taking_a_new_one(form: str) -> None:
+    ours = ours_with(OPTIMIZERS["adamw_foreach"])
+    run(ours, range(2), new_trace())
+    spell: dict[str, Callable[[torch.Tensor], Any]] = {
+        "tensor": lambda p: p,
+        "list": lambda p: [p],
+        "generator": lambda p: (q for q in [p]),
+    }
+    with pytest.raises(ValueError, match=r"^some parameters appear in more than one parameter group$"):
+        ours.optimizer.add_param_group({"params": spell[form](ours.model.head.weight)})
+    extra = nn.Parameter(torch.ones(3, dtype=torch.float16))
+    ours.optimizer.add_param_group({"params": spell[form](extra), "lr": 0.0})
+    assert ours.optimizer.param_groups[-1]["params"] == [extra]
+    ours.scaler.scale((extra.float().sum() + ours.model(data(1)[0][0], 0).float().sum()) * 0).backward()
+    ours.scaler.step(ours.optimizer)
+    assert any(low is extra for low, _ in ours.scaler.master_weights(ours.optimizer))
 
 
 def test_a_held_float16_parameter_put_back_into_the_groups_by_hand_is_refused_at_the_next_step() -> None:

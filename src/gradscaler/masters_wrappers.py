@@ -118,11 +118,12 @@ class AddParamGroupChecked:
             return
         params = param_group.get("params")
         if isinstance(params, torch.Tensor):
-            param_group["params"] = params = [params]
-        elif params is not None and not isinstance(params, set):  # torch refuses a set with its own message
-            param_group["params"] = params = list(params)
-        if params is not None and not isinstance(params, set):
-            held = {id(low) for low in self._lows()}
-            if any(id(p) in held for p in params):
-                raise ValueError("some parameters appear in more than one parameter group")
+            params = param_group["params"] = [params]
+        elif params is None or isinstance(params, set):  # torch refuses a set (and a group without params)
+            params = []
+        else:  # read once, here, as torch would read an iterator
+            params = param_group["params"] = list(params)
+        held = {id(low) for low in self._lows()}
+        if any(id(p) in held for p in params):
+            raise ValueError("some parameters appear in more than one parameter group")  # torch's message
         type(optimizer).add_param_group(optimizer, param_group)
