@@ -7,6 +7,7 @@ run's masters, and torch's distributed-checkpoint helpers.
 from __future__ import annotations
 
 import io
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +17,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from gradscaler import GradScaler
-from gradscaler.masters_checkpoint import SAVED_KEY
+from gradscaler.masters_checkpoint import SAVED_KEY, ContinuedWarning
 from recipe import (
     OPTIMIZERS,
     MakeOptimizer,
@@ -192,7 +193,14 @@ def test_a_float32_parameter_continues_from_a_saved_master_that_rounds_to_it() -
     again.model.load_state_dict(saved["model"])
     again.optimizer.load_state_dict(saved["optimizer"])
     assert not torch.equal(again.model.head.weight, expected)  # the float16 values: the test can fail
-    with torch.autocast("cpu", dtype=torch.float16):  # the float32 head computes in float16, as under the Trainer
+    with (
+        torch.autocast("cpu", dtype=torch.float16),  # the float32 head computes in float16, as under the Trainer
+        pytest.warns(
+            ContinuedWarning,
+            match=r"\['params'\]\[12\] \(shape \(4, 16\), torch.float32\) was float16 .*"
+            r", and 1 more parameters: it continues .*param.data = param.data.half\(\)",
+        ),
+    ):
         run(again, range(6, 7), new_trace(), pattern="no_step")  # binds, steps nothing
     assert again.model.head.weight.dtype == torch.float32
     assert torch.equal(again.model.head.weight.detach(), expected)
@@ -210,9 +218,30 @@ def test_a_float32_parameter_keeps_its_values_where_the_saved_master_does_not_ro
         again.model.head.weight.add_(1e-3)  # an edit since: the saved master belongs to another state
     edited = again.model.head.weight.detach().clone()
     again.optimizer.load_state_dict(saved["optimizer"])
-    with torch.autocast("cpu", dtype=torch.float16):
-        run(again, range(6, 7), new_trace(), pattern="no_step")
+    with torch.autocast("cpu", dtype=torch.float16), warnings.catch_warnings():
+        warnings.simplefilter("error", ContinuedWarning)  # the bias continues (no edit), the weight must not
+        with pytest.raises(ContinuedWarning, match=r"\['params'\]\[13\] \(shape \(4,\), torch.float32\) was "):
+            run(again, range(6, 7), new_trace(), pattern="no_step")
     assert torch.equal(again.model.head.weight.detach(), edited)
+
+
+def test_a_parameter_cast_back_to_float16_after_the_loads_resumes_bit_for_bit() -> None:
+    """The line docs/integrations.md gives for peft's float32 cast: the adapter cast back to float16 after
+    the loads and before the first step takes its master and float32 state exactly, without a warning."""
+    ours = ours_with(OPTIMIZERS["adamw_foreach"])
+    trace = run(ours, range(6), new_trace())
+    blob = save(ours)
+    expected = run(ours, range(6, STEPS), new_trace())
+    again = ours_with(OPTIMIZERS["adamw_foreach"], seed=9)
+    again.model.head.float()  # as peft's load casts an adapter
+    load(again, blob)
+    for param in again.model.head.parameters():
+        param.data = param.data.half()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ContinuedWarning)
+        assert_same_trace(run(again, range(6, STEPS), new_trace()), expected)
+    assert_same_state(again.optimizer, ours.optimizer)
+    assert trace["params"]  # the first phase trained (applied steps from the first on)
 
 
 # 7. torch.distributed.checkpoint's state-dict helpers -----------------------------------------------------

@@ -356,12 +356,15 @@ class MasterWeights:
             return binding  # nothing to master (yet): bound when a low-precision parameter appears
         check_inner_optimizers(optimizer)
         check_params(optimizer, binding.by_master, self._owners, {id(low) for low in binding.lows()})
+        continued: list[str] = []
         with torch.no_grad():
-            for group in optimizer.param_groups:
+            for number, group in enumerate(optimizer.param_groups):
                 saved = group.pop(SAVED_KEY, None) or {}
                 for index, param in enumerate(group["params"]):
-                    if id(param) not in binding.by_master:
-                        self._bind_param(optimizer, binding, group, index, saved)
+                    if id(param) not in binding.by_master and self._bind_param(optimizer, binding, group, index, saved):
+                        continued.append(describe(number, index, param))
+        if continued:
+            checkpoint.warn_continued(continued)
         if fresh:  # the hooks of an earlier binding (another scaler's) give way: one binding steers
             save, load = checkpoint.save_hook(binding.by_master), checkpoint.load_hook(binding.restore, binding.end)
             binding.hooks = checkpoint.install_hooks(optimizer, save, load)
@@ -372,9 +375,10 @@ class MasterWeights:
 
     def _bind_param(
         self, optimizer: torch.optim.Optimizer, binding: Binding, group: dict[str, Any], index: int, saved: Any
-    ) -> None:
+    ) -> bool:
         """Give ``group["params"][index]`` its master (a low-precision parameter), bind a copied master to
-        its parameter, or continue a float32 parameter from its saved master (``checkpoint.continues``)."""
+        its parameter, or continue a float32 parameter from its saved master (``checkpoint.continues``:
+        True)."""
         param = group["params"][index]
         value = saved.get("masters", {}).get(index)
         if needs_master(param, trained(param, optimizer.state) or value is not None):
@@ -394,10 +398,11 @@ class MasterWeights:
             continued = None if value is None else checkpoint.continues(value, param)
             if continued is not None:
                 param.copy_(continued)
-            return
+            return continued is not None
         binding.pairs.append(pair)
         binding.by_master[id(pair.master)] = pair
         self._owners[pair.low] = weakref.ref(optimizer)
+        return False
 
 
 class NoMasters:

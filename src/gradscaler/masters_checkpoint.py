@@ -12,6 +12,7 @@ what they need as callables and never hands its pairs down.
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Callable, Container
 from types import FrameType
 from typing import Any
@@ -95,6 +96,25 @@ def continues(saved: torch.Tensor, param: torch.Tensor) -> torch.Tensor | None:
         if bool(torch.equal(value.to(dtype).to(torch.float32), param.detach())):
             return value
     return None
+
+
+class ContinuedWarning(UserWarning):
+    """A float32 parameter continued from the master of a float16/bfloat16 run (``continues``)."""
+
+
+CONTINUED_MESSAGE = (
+    "{name} was float16 or bfloat16 when its checkpoint was saved and is float32 now (peft casts adapters to "
+    "float32 when it loads them){more}: it continues from its saved float32 master, but trains as a float32 "
+    "parameter from here, so the run will not equal one that kept it in float16. To keep it in float16, cast "
+    "it back after the loads and before the first step (param.data = param.data.half(); its master and state "
+    "are then restored exactly: docs/integrations.md, 'PEFT adapters')."
+)
+
+
+def warn_continued(names: list[str]) -> None:
+    """One ``ContinuedWarning`` for the float32 parameters a binding continued from saved masters."""
+    more = f", and {len(names) - 1} more parameters" if len(names) > 1 else ""
+    warnings.warn(CONTINUED_MESSAGE.format(name=names[0], more=more), ContinuedWarning, stacklevel=5)
 
 
 def same(a: Any, b: Any) -> bool:
