@@ -24,6 +24,7 @@ LAYERS: dict[str, int] = {
     "distributed": 0,
     "kernels": 0,
     "stale": 0,
+    "compiled": 0,
     "grads": 1,
     "scalerlog": 1,
     "fused": 2,

@@ -7,7 +7,7 @@ import importlib.util
 import sys
 from collections.abc import Sequence
 
-SECTIONS = ("kernel", "step", "iteration", "matrix", "masters", "memory")
+SECTIONS = ("kernel", "step", "iteration", "matrix", "masters", "compile", "memory")
 DEFAULT_SECTIONS = ("kernel", "step", "iteration")
 
 
