@@ -455,6 +455,7 @@ def _demo(args: Any) -> int:
     runs = [train(name, setup, batches, args.seed, not args.no_progress, log, clock) for name in RUNS]
     scaled = next(r for r in runs if r["run"] == SCALED)
     hist = histogram_data(scaled["activation_gradients"], scaled["final_scale"])
+    hist["flushed_without_scaling"] = next(r for r in runs if r["run"] == "fp16, no scaling")["underflow_share"]
     print()
     print(summary_table(runs))
     print()

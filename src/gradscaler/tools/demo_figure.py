@@ -61,7 +61,7 @@ def plot(
     text = fig.add_subplot(grid[2, :])
     text.axis("off")
     text.text(0, 1, "\n".join(["What the demo found:", *lines]), va="top", ha="left", fontsize=9, wrap=False)
-    fig.subplots_adjust(left=0.05, right=0.99, top=0.96, bottom=0.01)
+    fig.subplots_adjust(left=0.05, right=0.99, top=0.935, bottom=0.01)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
@@ -86,16 +86,17 @@ def _histogram(ax: Any, hist: dict[str, Any]) -> None:
     top = max(max(hist["before"]), max(hist["after"]))
     flushed, kept = hist.get("flushed_before"), hist.get("flushed_after")
     if flushed is not None and kept is not None:
+        plain = hist.get("flushed_without_scaling")
         ax.text(
             edges[0] + 1,
             top * 0.97,
-            f"in float16 at scale 1:\n{100 * flushed:.1f}% of these\nvalues become 0\n\n"
-            f"at {scale_text(scale)}: {100 * kept:.1f}%",
+            f"flushed to 0 in float16:\nat scale 1: {100 * flushed:.1f}%\nat {scale_text(scale)}: {100 * kept:.1f}%"
+            + ("" if plain is None else f"\n\nthe run without\nscaling's own: {100 * plain:.1f}%"),
             va="top",
             fontsize=9,
         )
     ax.set(
-        title="Activation gradients (one batch, float32)",
+        title="Activation gradients of the fp16 + gradscaler run\n(one batch at the end, computed in float32)",
         xlabel="log2 |gradient|",
         ylabel="count (values per 1/4 octave)",
         ylim=(0, top * 1.05),
