@@ -6,6 +6,7 @@ import argparse
 import importlib.util
 import re
 import sys
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -42,6 +43,11 @@ def _sections(text: str) -> list[str]:
     return chosen
 
 
+def _wrapped(text: str) -> str:
+    """A help description wrapped by hand: the raw formatter that keeps the example's lines keeps this too."""
+    return textwrap.fill(text, 88)
+
+
 def _example(*lines: str) -> str:
     """A subcommand's help epilog: commands as this shell runs them (``shell.command``)."""
     return "example:\n" + "\n".join(f"  {command()} {line}" for line in lines)
@@ -50,7 +56,7 @@ def _example(*lines: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gradscaler",
-        description="Dynamic loss scaling for float16 training.",
+        description=_wrapped("Dynamic loss scaling for float16 training."),
         epilog=_example("demo", "report gradscaler-demo-scaler.jsonl --out gradscaler-demo-report.png"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -58,12 +64,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser(
         "demo",
         help="show why loss scaling matters: fp32 vs fp16 with and without scaling, fp16 weights with masters",
-        description="Train a small transformer language model on generated text in float32, "
-        "in float16 without loss scaling and in float16 with gradscaler; then the model cast to float16, "
-        "with float32 master weights (master_weights=True) and without; print a summary table "
-        "and write, in the --out folder: gradscaler-demo.png (the figure), gradscaler-demo.json (the "
-        "numbers) and gradscaler-demo-scaler.jsonl (the log of the fp16 + gradscaler run, every step; "
-        "`report` reads it). About a minute on one CPU core without AVX-512.",
+        description=_wrapped(
+            "Train a small transformer language model on generated text in float32, "
+            "in float16 without loss scaling and in float16 with gradscaler; then the model cast to float16, "
+            "with float32 master weights (master_weights=True) and without; print a summary table "
+            "and write, in the --out folder: gradscaler-demo.png (the figure), gradscaler-demo.json (the "
+            "numbers) and gradscaler-demo-scaler.jsonl (the log of the fp16 + gradscaler run, every step; "
+            "`report` reads it). About a minute on one CPU core without AVX-512."
+        ),
         epilog=_example("demo --out demo-run --seed 1"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -92,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench",
         help="time torch.amp.GradScaler and gradscaler side by side",
-        description="Side-by-side benchmark in one process; checks results while timing.",
+        description=_wrapped("Side-by-side benchmark in one process; checks results while timing."),
         epilog=_example("bench --sections kernel,step --out bench.json"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -115,8 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser(
         "report",
         help="read a scaler log (JsonLinesLogger) and say what happened to the scale",
-        description='Summarise a JSON-lines scaler log ("N of M steps skipped", the parameters that '
-        "overflowed most), diagnose it in plain words, and draw it with --out. Streams the file.",
+        description=_wrapped(
+            'Summarise a JSON-lines scaler log ("N of M steps skipped", the parameters that '
+            "overflowed most), diagnose it in plain words, and draw it with --out. Streams the file."
+        ),
         epilog=_example("report gradscaler-demo-scaler.jsonl --out gradscaler-demo-report.png"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
