@@ -3,6 +3,9 @@
 Layers, lowest first, are in ``LAYERS`` (docs/architecture.md draws them). A module may import only
 from strictly lower layers, at module top (the optional Triton import in ``kernels/`` and the tools'
 lazy imports aside); the tools and the integrations may also import the package's public face.
+Imports in a top-level ``if TYPE_CHECKING:`` block count as module-top imports: ``__init__`` spells its
+imports there and loads the same names at run time from ``_FACE`` on first use (so that the command
+line's help needs no torch); ``test_the_lazy_face_loads_what_the_layering_checks`` holds the two equal.
 Within a layer (the files of ``tools/`` or ``kernels/``) no file imports itself back through others:
 ``import_cycles`` follows every import of every file, lazy ones included.
 """
