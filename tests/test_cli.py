@@ -144,11 +144,11 @@ def test_quick_matrix_reports_every_cell(tmp_path: Path, capsys: pytest.CaptureF
 
 def test_demo_progress_shows_the_time_left(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """The demo's time left counts the float16 runs at a float16 run's speed (ten times fp32's on AVX2)."""
-    from gradscaler.tools import demo
+    from gradscaler.tools import demo, demo_progress
 
     now = [0.0]
-    monkeypatch.setattr(demo.time, "perf_counter", lambda: now[0])
-    clock = demo.Progress(demo.RUNS, steps=10)
+    monkeypatch.setattr(demo_progress.time, "perf_counter", lambda: now[0])
+    clock = demo_progress.Progress(demo.RUNS, steps=10)
     clock.start("fp32")
     for _ in range(10):  # fp32: 0.01 s a step; the float16 runs' cost is not known yet
         now[0] += 0.01
@@ -161,5 +161,5 @@ def test_demo_progress_shows_the_time_left(monkeypatch: pytest.MonkeyPatch, caps
         now[0] += 0.1
         clock.step()
     assert clock.left() == pytest.approx(6 * 0.1 + 3 * 10 * 0.1)  # its 6 steps left, then three runs like it
-    demo._bar("fp16, no scaling", 4, 10, 2.5, begin, clock)
+    demo_progress.bar("fp16, no scaling", 4, 10, 2.5, begin, clock)
     assert "4/10 loss 2.500  10.0 it/s  1s left, demo 4s" in capsys.readouterr().err
