@@ -113,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=list(DEFAULT_SECTIONS),
         help=f"comma-separated subset of {','.join(SECTIONS)} (default: {','.join(DEFAULT_SECTIONS)}; "
         "matrix: shapes x optimizers x clip with host time, and whole iterations at batch 1; masters: float16 "
-        "parameters with master_weights=True against the recipe by hand; memory: bytes per parameter of "
+        "parameters with master_weights=True against the recipe by hand; compile: whole steps eager, with "
+        "the model compiled and with the step compiled, torch's scaler against ours; memory: bytes per parameter of "
         "float32 / float16 + masters / float16 parameters after a training step, measured from the storages)",
     )
     bench.add_argument(
