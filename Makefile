@@ -35,8 +35,9 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check src tests benchmarks examples docs
 	$(BIN)/mypy
 
+# One line per test file with the share of the suite done at its end, so that slow is not taken for hung.
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest
 
 bench: $(STAMP)
 	$(BIN)/gradscaler bench

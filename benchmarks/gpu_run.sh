@@ -14,6 +14,8 @@
 #                 on GPU memory, the fallback, the telemetry's pinned mirrors and events)
 #   gpu-tests     the kernel, move, fallback and differential suites with their tensors on the GPU
 #   bench         gradscaler bench: kernel, step, iteration, masters and memory sections
+#   compile       gradscaler bench --sections compile: eager, compiled model, compiled step and compiled
+#                 step with mode="reduce-overhead" (CUDA graphs), torch's scaler against ours
 #   demo          gradscaler demo --device cuda
 set -uo pipefail
 py=${PYTHON:-python3}
@@ -52,6 +54,8 @@ step gpu-tests 300 "$py" -m pytest "${pytest_args[@]}" tests/test_kernels.py tes
     tests/test_kernel_fallback.py tests/test_differential.py -k "not transformer" --junitxml="$out/gpu-tests.xml"
 step bench 300 "$py" -m gradscaler bench --device cuda --sections kernel,step,iteration,masters,memory \
     --steps "${BENCH_STEPS:-30}" --warmup 5 --out "$out/bench.json"
+step compile 300 "$py" -m gradscaler bench --device cuda --sections compile --steps 20 --warmup 5 \
+    --out "$out/compile.json"
 step demo 300 "$py" -m gradscaler demo --device cuda --out "$out/demo" --no-progress
 if [ "${GPU_CHECK_FULL:-0}" = 1 ]; then
     step tune 600 "$py" benchmarks/tune_kernel.py

@@ -59,6 +59,9 @@ def main(out: Path) -> int:
     read_pass = section(out / "bench.log", "One read pass", "Optimizer step phase")
     if read_pass:
         md += ["## Read pass (bench)", "", *read_pass, ""]
+    compiled = section(out / "compile.log", "Training steps under torch.compile", "numbers written")
+    if compiled:
+        md += ["## Compiled steps (bench --sections compile)", "", *compiled[2:], ""]
     demo = section(out / "demo.log", "| run", "figure:")
     if demo:
         md += ["## Demo", "", *demo, ""]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,12 +22,56 @@ def test_help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
 
 
 @pytest.mark.parametrize(
+    "argv",
+    [
+        ["--help"],
+        ["demo", "--help"],
+        ["bench", "--help"],
+        ["report", "--help"],
+        ["demo", "--steps", "0"],
+        ["demo", "--device", "tpu9"],
+        ["frobnicate"],
+    ],
+    ids=["help", "demo-help", "bench-help", "report-help", "bad-steps", "bad-device", "bad-command"],
+)
+def test_help_and_argument_errors_do_not_import_torch(argv: list[str]) -> None:
+    """Importing torch takes 1.5 s on a quiet machine and ten on a busy one: help must not wait for it."""
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "gradscaler", *argv], capture_output=True, text=True, check=False
+    )
+    assert result.returncode in (0, 2), result.stderr
+    imported = {
+        line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")
+    }
+    assert "gradscaler.tools.cli" in imported  # the report is read: the command line was imported
+    assert "torch" not in imported
+
+
+@pytest.mark.parametrize("command", ["demo", "bench", "report"])
+def test_each_subcommand_help_shows_an_example(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main([command, "--help"])
+    example = capsys.readouterr().out.split("example:\n", 1)[1].strip()
+    assert f" {command} " in f"{example} "
+    argv = example.split(f" {command}", 1)[1].split()
+    cli.build_parser().parse_args([command, *argv])  # the example is a valid command line
+
+
+def test_demo_help_names_the_files_it_writes(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["demo", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for name in ("gradscaler-demo.png", "gradscaler-demo.json", "gradscaler-demo-scaler.jsonl"):
+        assert name in text
+
+
+@pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["demo", "--steps", "0"], "expected a positive integer, got 0"),
         (["demo", "--steps", "many"], "expected a positive integer, got 'many'"),
         (["bench", "--sections", "kernel,warp"], "unknown section(s) ['warp']"),
-        (["demo", "--device", "tpu9"], "--device 'tpu9' is not a device torch knows"),
+        (["demo", "--device", "tpu9"], "'tpu9' is not a device the tools run on; use cpu, cuda or cuda:N"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
     ],
 )
@@ -98,11 +144,11 @@ def test_quick_matrix_reports_every_cell(tmp_path: Path, capsys: pytest.CaptureF
 
 def test_demo_progress_shows_the_time_left(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """The demo's time left counts the float16 runs at a float16 run's speed (ten times fp32's on AVX2)."""
-    from gradscaler.tools import demo
+    from gradscaler.tools import demo, demo_progress
 
     now = [0.0]
-    monkeypatch.setattr(demo.time, "perf_counter", lambda: now[0])
-    clock = demo.Progress(demo.RUNS, steps=10)
+    monkeypatch.setattr(demo_progress.time, "perf_counter", lambda: now[0])
+    clock = demo_progress.Progress(demo.RUNS, steps=10)
     clock.start("fp32")
     for _ in range(10):  # fp32: 0.01 s a step; the float16 runs' cost is not known yet
         now[0] += 0.01
@@ -115,5 +161,5 @@ def test_demo_progress_shows_the_time_left(monkeypatch: pytest.MonkeyPatch, caps
         now[0] += 0.1
         clock.step()
     assert clock.left() == pytest.approx(6 * 0.1 + 3 * 10 * 0.1)  # its 6 steps left, then three runs like it
-    demo._bar("fp16, no scaling", 4, 10, 2.5, begin, clock)
+    demo_progress.bar("fp16, no scaling", 4, 10, 2.5, begin, clock)
     assert "4/10 loss 2.500  10.0 it/s  1s left, demo 4s" in capsys.readouterr().err

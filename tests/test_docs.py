@@ -18,10 +18,28 @@ def python_blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", text, flags=re.S)
 
 
+def promised_output(block: str) -> list[str]:
+    """What a block says it prints: the comment after each ``print(...)`` line."""
+    return [line.split("#", 1)[1].strip() for line in block.splitlines() if "print(" in line and "#" in line]
+
+
 @pytest.mark.parametrize("index", range(len(python_blocks())))
-def test_readme_python_blocks_run(index: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_readme_python_blocks_run(
+    index: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each block runs as pasted into a fresh interpreter, and prints what its comments say it prints."""
     monkeypatch.chdir(tmp_path)
-    exec(compile(python_blocks()[index], f"README.md block {index}", "exec"), {"__name__": "readme"})
+    block = python_blocks()[index]
+    exec(compile(block, f"README.md block {index}", "exec"), {"__name__": "readme"})
+    printed = capsys.readouterr().out
+    lines = printed.splitlines()
+    for expected in promised_output(block):
+        assert any(line == expected or line.endswith(f" {expected}") for line in lines), (expected, printed)
+
+
+def test_readme_says_what_its_blocks_print() -> None:
+    """The check above has something to hold: README's blocks that print promise what."""
+    assert sum(len(promised_output(block)) for block in python_blocks()) >= 2
 
 
 def test_readme_opens_with_the_two_commands() -> None:

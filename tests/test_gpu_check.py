@@ -43,13 +43,17 @@ def folder(tmp_path: Path, steps: list[tuple[str, int]], cuda_skipped: int = 0) 
     (tmp_path / "steps.tsv").write_text("".join(f"{name}\t{rc}\t12\n" for name, rc in steps))
     junit(tmp_path / "cuda-tests.xml", tests=40, skipped=cuda_skipped)
     junit(tmp_path / "gpu-tests.xml", tests=150, skipped=3)
+    (tmp_path / "compile.log").write_text(
+        "bench: ...\ndevice: cuda\n\nTraining steps under torch.compile (inductor; ...):\n\n"
+        "| loop shape | mode |\n|---|---|\n| adamw | eager |\n\nnumbers written to compile.json\n"
+    )
     (tmp_path / "demo.log").write_text(
         "intro\n| run | final loss |\n|---|---|\n| fp32 | 1.2 |\n\nverdict\nfigure: x.png\n"
     )
     return tmp_path
 
 
-STEPS = [("cuda-tests", 0), ("gpu-tests", 0), ("bench", 0), ("demo", 0)]
+STEPS = [("cuda-tests", 0), ("gpu-tests", 0), ("bench", 0), ("compile", 0), ("demo", 0)]
 
 
 def test_summary_of_a_clean_run(tmp_path: Path) -> None:
@@ -59,6 +63,7 @@ def test_summary_of_a_clean_run(tmp_path: Path) -> None:
     assert "| cuda-tests | 0 | 12 | 40 / 0 / 0 / 0 |" in text
     assert "| gpu-tests | 0 | 12 | 147 / 0 / 0 / 3 |" in text
     assert "- every step passed" in text and "| fp32 | 1.2 |" in text and "figure:" not in text
+    assert "| adamw | eager |" in text and "numbers written" not in text
 
 
 @pytest.mark.parametrize("problem", ["a_step_failed", "a_step_timed_out", "a_cuda_test_skipped"])
@@ -67,7 +72,7 @@ def test_summary_fails_the_run(tmp_path: Path, problem: str) -> None:
     if problem == "a_step_failed":
         steps[2] = ("bench", 1)
     if problem == "a_step_timed_out":
-        steps[3] = ("demo", 124)
+        steps[4] = ("demo", 124)
     out = folder(tmp_path, steps, cuda_skipped=2 if problem == "a_cuda_test_skipped" else 0)
     assert gpu_summary.main(out) == 1
     text = (out / "summary.md").read_text()

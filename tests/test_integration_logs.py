@@ -8,6 +8,7 @@ written by the real TensorBoard integrations and read back from the event files.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -152,3 +153,45 @@ def test_trainer_scale_log_callback_reaches_log_history_and_trainer_state_json(t
     saved_logs = [entry for entry in saved["log_history"] if "loss" in entry]
     assert [[e[k] for k in keys] for e in saved_logs] == [[e[k] for k in keys] for e in training_logs]
     assert training_logs[-1]["amp/skipped_steps"] >= 1 and len({e["amp/scale"] for e in training_logs}) > 1
+
+
+def test_trainer_scale_log_callback_keeps_the_scale_in_log_history_when_the_loss_is_nan(tmp_path: Path) -> None:
+    """The logs a user reads when a run goes wrong: with ``logging_nan_inf_filter=False`` a NaN loss
+    reaches the log (and stays NaN in every later one), and each of those entries in ``log_history``
+    and ``trainer_state.json`` still holds the scale (NaN != NaN once dropped it from all of them)."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from gradscaler.frameworks import ScaleLogCallback
+
+    model = tiny_gpt2()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 64, (24, 16), generator=g)
+    # Every label ignored in half the examples: a batch of two such examples has no token to average
+    # over, and its loss is 0/0 (NaN); unfiltered, the running loss stays NaN from then on.
+    data = [{"input_ids": x, "labels": torch.full_like(x, -100) if i >= 12 else x} for i, x in enumerate(ids)]
+    scaler = gradscaler.GradScaler("cpu", **EARLY_OVERFLOW)
+    expected: dict[int, tuple[float, int]] = {}
+
+    class Recorder(TrainerCallback):  # type: ignore[misc]
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            expected[state.global_step] = (scaler.get_scale(), scaler.stats()["skipped_steps"])
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"), fp16=True, use_cpu=True, optim="adamw_torch_fused", learning_rate=1e-3,
+        max_steps=12, per_device_train_batch_size=2, max_grad_norm=1.0, logging_steps=1, report_to=[],
+        logging_nan_inf_filter=False, save_strategy="steps", save_steps=12, disable_tqdm=True, seed=0,
+        dataloader_num_workers=0,
+    )  # fmt: skip
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[Recorder(), ScaleLogCallback()])
+    trainer.accelerator.native_amp = True
+    trainer.accelerator.scaler = scaler
+    trainer.train()
+    training_logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert [entry["step"] for entry in training_logs] == list(range(1, 13))
+    nan_logs = [entry["step"] for entry in training_logs if math.isnan(entry["loss"])]
+    assert 1 < len(nan_logs) < 12, nan_logs  # the case under test is there, beside finite ones
+    for entry in training_logs:
+        assert (entry.get("amp/scale"), entry.get("amp/skipped_steps")) == expected[entry["step"]], entry
+    saved = json.loads((tmp_path / "out" / "checkpoint-12" / "trainer_state.json").read_text())
+    saved_logs = [entry for entry in saved["log_history"] if "loss" in entry]
+    assert [(e["step"], e.get("amp/scale")) for e in saved_logs] == [(s, scale) for s, (scale, _) in expected.items()]

@@ -3,6 +3,9 @@
 Layers, lowest first, are in ``LAYERS`` (docs/architecture.md draws them). A module may import only
 from strictly lower layers, at module top (the optional Triton import in ``kernels/`` and the tools'
 lazy imports aside); the tools and the integrations may also import the package's public face.
+Imports in a top-level ``if TYPE_CHECKING:`` block count as module-top imports: ``__init__`` spells its
+imports there and loads the same names at run time from ``_FACE`` on first use (so that the command
+line's help needs no torch); ``test_the_lazy_face_loads_what_the_layering_checks`` holds the two equal.
 Within a layer (the files of ``tools/`` or ``kernels/``) no file imports itself back through others:
 ``import_cycles`` follows every import of every file, lazy ones included.
 """
@@ -24,12 +27,14 @@ LAYERS: dict[str, int] = {
     "distributed": 0,
     "kernels": 0,
     "stale": 0,
+    "compiled": 0,
     "masters_checks": 0,
     "masters_checkpoint": 0,
-    "masters_wrappers": 0,
     "grads": 1,
+    "logsummary": 1,
+    "masters_wrappers": 1,
     "masters_pairs": 1,
-    "scalerlog": 1,
+    "scalerlog": 2,
     "fused": 2,
     "clipping": 2,
     "monitor": 2,
@@ -54,10 +59,22 @@ def module_name(path: Path, root: Path) -> str:
     return relative.parts[0] if len(relative.parts) > 1 else relative.stem
 
 
+def type_checking_block(node: ast.stmt) -> bool:
+    """``if TYPE_CHECKING:``: imports for type checkers only, never run."""
+    return isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+
+
+def module_top(tree: ast.AST) -> list[ast.stmt]:
+    """The statements at module top, those of a top-level ``if TYPE_CHECKING:`` block included."""
+    if not isinstance(tree, ast.Module):
+        return []
+    return [*tree.body, *(inner for node in tree.body if type_checking_block(node) for inner in node.body)]
+
+
 def imported_modules(tree: ast.AST) -> list[tuple[str, int, bool]]:
     """(top-level gradscaler module, line, at module top) for every import of gradscaler."""
     found: list[tuple[str, int, bool]] = []
-    top = {id(node) for node in tree.body} if isinstance(tree, ast.Module) else set()
+    top = {id(node) for node in module_top(tree)}
     for node in ast.walk(tree):
         names: list[str] = []
         if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "gradscaler":
@@ -93,6 +110,28 @@ def layering_violations(root: Path) -> list[str]:
 
 def test_imports_only_go_down_and_only_scaler_touches_its_privates() -> None:
     assert layering_violations(SRC) == []
+
+
+def face_imports(init: Path) -> dict[str, str]:
+    """Public name -> module, from ``__init__.py``'s ``if TYPE_CHECKING:`` imports (what the layering reads)."""
+    tree = ast.parse(init.read_text(encoding="utf-8"))
+    return {
+        alias.name: node.module or ""
+        for block in tree.body
+        if type_checking_block(block)
+        for node in block.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+
+
+def test_the_lazy_face_loads_what_the_layering_checks() -> None:
+    """``__init__`` imports its names at run time from ``_FACE`` (so that ``gradscaler --help`` needs no
+    torch); the layering check reads the ``TYPE_CHECKING`` block. The two must name the same modules."""
+    import gradscaler
+
+    assert face_imports(SRC / "__init__.py") == gradscaler._FACE
+    assert sorted(gradscaler._FACE) == gradscaler.__all__
 
 
 def dotted_name(path: Path, root: Path) -> str:

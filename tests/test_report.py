@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import gradscaler
-from gradscaler import diagnosis, scalerlog
+from gradscaler import diagnosis, reporting, scalerlog
 from gradscaler.diagnosis import describe
 from gradscaler.scalerlog import LogError, summarise
 from gradscaler.tools import cli
@@ -273,9 +273,58 @@ def test_a_bad_line_between_repeated_records_is_an_error(chunk: int, monkeypatch
 def test_missing_file_and_folder(tmp_path: Path) -> None:
     missing = run_cli(str(tmp_path / "nope.jsonl"))
     assert missing.returncode == 1 and "Traceback" not in missing.stderr
-    assert missing.stderr == f"gradscaler report: cannot read {tmp_path / 'nope.jsonl'}: No such file or directory\n"
+    assert missing.stderr == (
+        f"gradscaler report: cannot read the log {tmp_path / 'nope.jsonl'}: No such file or directory\n"
+    )
     folder = run_cli(str(tmp_path))
     assert folder.returncode == 1 and folder.stderr == f"gradscaler report: {tmp_path}: is a folder, not a log file\n"
+
+
+def test_an_out_folder_that_does_not_exist_is_named_not_the_log(tmp_path: Path) -> None:
+    log = write(tmp_path / "s.jsonl", records(30, {5}, growth_interval=10))
+    result = run_cli(str(log), "--out", str(tmp_path / "nosuchdir" / "r.png"))
+    assert result.returncode == 1 and result.stdout == "" and "Traceback" not in result.stderr
+    assert result.stderr == (
+        f"gradscaler report: --out {tmp_path / 'nosuchdir' / 'r.png'}: the folder {tmp_path / 'nosuchdir'} does "
+        f"not exist; create it (mkdir -p {tmp_path / 'nosuchdir'}) or choose another --out\n"
+    )
+    assert not (tmp_path / "nosuchdir").exists()
+
+
+def test_an_out_that_is_a_folder_or_under_a_file_is_named(tmp_path: Path) -> None:
+    log = write(tmp_path / "s.jsonl", records(30, {5}, growth_interval=10))
+    folder = run_cli(str(log), "--out", str(tmp_path))
+    assert folder.returncode == 1
+    assert folder.stderr == (
+        f"gradscaler report: --out {tmp_path}: {tmp_path} is a folder; name a file in it, "
+        f"e.g. --out {tmp_path / 'report.png'}\n"
+    )
+    under_file = run_cli(str(log), "--out", str(log / "r.png"))
+    assert under_file.returncode == 1 and f"the folder {log} is not a folder" in under_file.stderr
+
+
+def test_an_out_without_a_suffix_prints_the_file_it_wrote(tmp_path: Path) -> None:
+    log = write(tmp_path / "s.jsonl", records(30, {5}, growth_interval=10))
+    result = run_cli(str(log), "--out", str(tmp_path / "name"))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == f"figure: {tmp_path / 'name.png'}"
+    assert (tmp_path / "name.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not (tmp_path / "name").exists()
+    assert gradscaler.report(log, out=tmp_path / "other").figure == tmp_path / "other.png"
+    assert (tmp_path / "other.png").exists()
+
+
+def test_a_figure_that_cannot_be_written_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """Reading succeeded; writing failed (a full disk, a read-only folder): the figure's file is named."""
+    log = write(tmp_path / "s.jsonl", records(30, {5}, growth_interval=10))
+
+    def refuse(summary: object, out: Path, title: str = "") -> None:
+        raise PermissionError(13, "Permission denied", str(out))
+
+    monkeypatch.setattr(reporting, "draw", refuse)
+    assert cli.main(["report", str(log), "--out", str(tmp_path / "r.png")]) == 1
+    out, err = capsys.readouterr()
+    assert out.startswith("1 of 30 steps skipped")
+    assert err == f"gradscaler report: cannot write the figure {tmp_path / 'r.png'}: Permission denied\n"
 
 
 def test_a_cut_off_last_line_is_left_out_and_said(tmp_path: Path) -> None:
@@ -325,13 +374,16 @@ def test_without_matplotlib_the_text_still_prints(
 ) -> None:
     path = write(tmp_path / "s.jsonl", records(60, {5}, growth_interval=10))
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    with pytest.raises(ModuleNotFoundError, match=r"needs matplotlib: pip install 'gradscaler\[plot\]'"):
+    with pytest.raises(ModuleNotFoundError, match=r"needs matplotlib: pip install 'matplotlib>=3.7' into the"):
         gradscaler.report(path, out=tmp_path / "r.png")
     monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: None)
     assert cli.main(["report", str(path), "--out", str(tmp_path / "r.png")]) == 1
     out, err = capsys.readouterr()
     assert out.startswith("1 of 60 steps skipped") and not (tmp_path / "r.png").exists()
-    assert err == "gradscaler report: no figure written: matplotlib is not installed (pip install 'gradscaler[plot]')\n"
+    assert err == (
+        "gradscaler report: no figure written: matplotlib is not installed "
+        "(pip install 'matplotlib>=3.7' into the environment that runs gradscaler)\n"
+    )
 
 
 def test_summarise_refuses_no_records() -> None:

@@ -1,15 +1,39 @@
 """gradscaler: dynamic loss scaling for float16 training, a drop-in for ``torch.amp.GradScaler``.
 
 Only the names in ``__all__`` are API; module paths below this package may change between releases.
+
+The public names load on first use (``__getattr__``): ``import gradscaler`` alone does not import
+torch, so that ``gradscaler --help`` and the command line's argument errors answer at once. The
+first public name you touch loads all of them, and from then on the package is what an eager
+import would have made it (its submodules included).
 """
 
-from gradscaler.drop_in import is_torch_patched, patch_torch, unpatch_torch
-from gradscaler.errors import ScaleCollapseError, ScaleCollapseWarning
-from gradscaler.monitor import JsonLinesLogger, TensorBoardLogger
-from gradscaler.reporting import report
-from gradscaler.scaler import GradScaler, OptState
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # what type checkers and readers see; ``_FACE`` says the same to ``__getattr__``
+    from gradscaler.drop_in import is_torch_patched, patch_torch, unpatch_torch
+    from gradscaler.errors import ScaleCollapseError, ScaleCollapseWarning
+    from gradscaler.monitor import JsonLinesLogger, TensorBoardLogger
+    from gradscaler.reporting import report
+    from gradscaler.scaler import GradScaler, OptState
 
 __version__ = "0.1.0"
+
+_FACE = {
+    "GradScaler": "gradscaler.scaler",
+    "JsonLinesLogger": "gradscaler.monitor",
+    "OptState": "gradscaler.scaler",
+    "ScaleCollapseError": "gradscaler.errors",
+    "ScaleCollapseWarning": "gradscaler.errors",
+    "TensorBoardLogger": "gradscaler.monitor",
+    "is_torch_patched": "gradscaler.drop_in",
+    "patch_torch": "gradscaler.drop_in",
+    "report": "gradscaler.reporting",
+    "unpatch_torch": "gradscaler.drop_in",
+}
+"""Each public name and the module that defines it (tests/test_layers.py holds it equal to the block above)."""
 
 __all__ = [
     "GradScaler",
@@ -23,3 +47,22 @@ __all__ = [
     "report",
     "unpatch_torch",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """Load every public name (and with them torch) the first time any attribute is missing."""
+    import importlib
+
+    namespace = globals()
+    if name.startswith("__") or namespace.get("_loaded"):
+        raise AttributeError(f"module 'gradscaler' has no attribute {name!r}")
+    for public, module in _FACE.items():
+        namespace[public] = getattr(importlib.import_module(module), public)
+    namespace["_loaded"] = True
+    if name in namespace:
+        return namespace[name]
+    raise AttributeError(f"module 'gradscaler' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

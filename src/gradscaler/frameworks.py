@@ -18,6 +18,7 @@ attribute ``step_was_skipped`` reads (``_is_overflow``, tested against accelerat
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Any
 
@@ -212,6 +213,12 @@ def log_scale(accelerator: Any) -> Any:
 _scale_log_class: type | None = None
 
 
+def _same(a: Any, b: Any) -> bool:
+    """Equal, NaN equal to NaN: a run that goes wrong logs a NaN loss (``logging_nan_inf_filter=False``)."""
+    nan = isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b)
+    return nan or bool(a == b)
+
+
 def _scale_log_callback_class() -> type:
     global _scale_log_class
     if _scale_log_class is not None:
@@ -254,10 +261,10 @@ def _scale_log_callback_class() -> type:
             if logs is None or scaler is None or "loss" not in logs:  # training logs only
                 return
             values = amp_logs(scaler)
-            history = state.log_history
             # Trainer.log appends {**logs, "step": global_step} and then calls on_log with logs.
-            if history and history[-1].get("step") == state.global_step and history[-1].get("loss") == logs["loss"]:
-                history[-1].update(values)
+            last = state.log_history[-1] if state.log_history else {}
+            if last.get("step") == state.global_step and _same(last.get("loss"), logs["loss"]):
+                last.update(values)
             logs.update(values)
 
     ScaleLogCallback.__module__ = __name__

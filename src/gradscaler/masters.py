@@ -1,12 +1,9 @@
 """float32 master weights for float16 and bfloat16 parameters: binding an optimizer, and the move.
 
-The recipe is the first of Micikevicius et al. (2018), as Apex O2, Megatron-LM's
-``Float16OptimizerWithFloat16Params`` and DeepSpeed's ``FP16_Optimizer`` keep it, but without wrapping
-the user's optimizer: at the scaler's first contact with an optimizer, every float16/bfloat16
-parameter that requires a gradient is replaced *in the optimizer's ``param_groups``* by a float32
-master (a copy of its value); ``optimizer.state`` is then keyed by the masters, and LR schedulers,
-``add_param_group`` (new low-precision parameters get masters at the next contact) and every torch
-optimizer keep working on the very object the user built.
+The recipe of Micikevicius et al. (2018), as Apex O2, Megatron-LM and DeepSpeed keep it, without wrapping
+the user's optimizer: at the scaler's first contact, each float16/bfloat16 parameter that requires a
+gradient (or trained) is replaced *in the optimizer's ``param_groups``* by a float32 master; the state is
+keyed by the masters, and schedulers, ``add_param_group`` and every torch optimizer keep working.
 
 ``MasterWeights`` steers the lifecycle; beside it, ``masters_pairs`` (a parameter and its master, an
 optimizer's set of them), ``masters_checks`` (which parameters get masters; the refusals),
@@ -27,11 +24,9 @@ whoever cleared or wrote what in between:
   parameter's gradient is kept until ``step``, holding the unscaled value (``show``), and a write to
   it that the step would not see is refused (``before_step``). ``optimizer.zero_grad()`` also clears
   the parameters' gradients (a backward whose batch the loop dropped), as for float32 parameters.
-* **Values.** ``finish`` copies every master into its parameter after an applied step. Before a move,
-  a parameter written since (version counter, or a new storage: ``p.data = ...``,
-  ``vector_to_parameters``) refreshes its master wherever the parameter is not the master rounded. A
-  write through ``p.data`` in place is invisible to both and is overwritten at the next applied step
-  (docs/migration.md).
+* **Values.** ``finish`` copies every master into its parameter after an applied step. Before a move, a
+  parameter written since (version counter, or a new storage) refreshes its master wherever it is not the
+  master rounded; a write through ``p.data`` in place is unseen (docs/migration.md).
 * **Checkpoints.** The optimizer's ``state_dict`` carries the masters and their float32 state
   (``masters_checkpoint``); a saved master is used only where it still rounds to its parameter.
 * **Copies.** Each master names its parameter (``PARAM_ATTR``), so a pickled, saved or deep-copied
@@ -40,6 +35,7 @@ whoever cleared or wrote what in between:
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -47,7 +43,7 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from gradscaler import grads
+from gradscaler import grads, masters_wrappers
 from gradscaler import masters_checkpoint as checkpoint
 from gradscaler.kernels import GradStats, grad_stats, move_grads_, moved
 from gradscaler.masters_checkpoint import SAVED_KEY
@@ -64,11 +60,13 @@ from gradscaler.masters_checks import (
     trained,
 )
 from gradscaler.masters_pairs import Binding, Pair
-from gradscaler.masters_wrappers import AddParamGroupChecked, ZeroGradBoth, route, route_clipping, unwrap
+from gradscaler.masters_wrappers import AddParamGroupChecked, ZeroGradBoth, route, route_clipping, unroute, unwrap
 
 # Reached through ``gradscaler.masters`` (docs/migration.md names ``gradscaler.masters.clip_grad_norm_``).
 from gradscaler.masters_wrappers import clip_grad_norm_ as clip_grad_norm_
 from gradscaler.masters_wrappers import torch_clip_grad_norm_ as torch_clip_grad_norm_
+
+COMPILE_MARKED = (masters_wrappers, ZeroGradBoth)  # where ``compiled.eager`` marks sit, for ``compiled.prepare``
 
 
 @dataclass
@@ -137,6 +135,13 @@ def _copied_stats(
             return GradStats(flag, None)
     assert stats is not None  # asked for above whenever no factor gives the flag
     return stats
+
+
+def _end(binding: Binding) -> None:
+    """End ``binding``'s iteration (``Binding.end``) and close the clipping route of its parameters."""
+    binding.end()
+    for pair in binding.pairs:
+        unroute(pair.low)
 
 
 def _dense(grad: torch.Tensor) -> bool:
@@ -316,19 +321,19 @@ class MasterWeights:
                 for pair in binding.pairs:
                     pair.low.copy_(pair.master)
                     pair.seen()
-        binding.end()
+        _end(binding)
 
     def end(self, optimizer: torch.optim.Optimizer) -> None:
         """End ``optimizer``'s iteration without a step (a new backward replaced it)."""
         binding = self._bindings.get(optimizer)
         if binding is not None:
-            binding.end()
+            _end(binding)
 
     def end_iteration(self) -> None:
         """At ``update()``: every optimizer's iteration is over, stepped or not."""
         for binding in list(self._bindings.values()):
             if binding.moved:
-                binding.end()
+                _end(binding)
 
     def refuse_disabled(self, optimizer: torch.optim.Optimizer) -> None:
         """For a disabled scaler asked for masters: ``ValueError`` if ``optimizer`` would step a
@@ -366,7 +371,8 @@ class MasterWeights:
         if continued:
             checkpoint.warn_continued(continued)
         if fresh:  # the hooks of an earlier binding (another scaler's) give way: one binding steers
-            save, load = checkpoint.save_hook(binding.by_master), checkpoint.load_hook(binding.restore, binding.end)
+            save = checkpoint.save_hook(binding.by_master)
+            load = checkpoint.load_hook(binding.restore, functools.partial(_end, binding))
             binding.hooks = checkpoint.install_hooks(optimizer, save, load)
             optimizer.zero_grad = ZeroGradBoth(optimizer, binding.lows)  # type: ignore[method-assign]
             optimizer.add_param_group = AddParamGroupChecked(optimizer, binding.lows)  # type: ignore[method-assign]

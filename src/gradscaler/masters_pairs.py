@@ -2,7 +2,7 @@
 
 A pair knows whether its parameter was written since the master was last equal to it rounded (its
 version counter and storage), refreshes the master from it, and takes a master value loaded from a
-checkpoint. A binding ends an iteration: the kept float16 gradients dropped, the clipping route closed.
+checkpoint. A binding ends an iteration: the kept float16 gradients dropped.
 ``masters.MasterWeights`` builds them and steers them through the iteration.
 """
 
@@ -14,7 +14,6 @@ from typing import Any
 import torch
 
 from gradscaler import masters_checkpoint as checkpoint
-from gradscaler.masters_wrappers import unroute
 
 
 def _storage(tensor: torch.Tensor) -> int | None:
@@ -95,11 +94,9 @@ class Binding:
         return True
 
     def end(self) -> None:
-        """The iteration is over: the next contact moves afresh, and clipping sees the parameters again."""
+        """The iteration is over: the next contact moves afresh (``masters`` also closes the clipping route)."""
         self.moved = False
         self.drop_kept()
-        for pair in self.pairs:
-            unroute(pair.low)
 
     def drop_kept(self) -> None:
         """Drop each kept float16 gradient the parameter still holds (a new backward's is not touched)."""

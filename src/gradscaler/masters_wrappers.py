@@ -19,6 +19,9 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from gradscaler import compiled
+from gradscaler.masters_checks import LOW_PRECISION
+
 # Low-precision parameters whose gradients are in their masters this iteration -> those masters, for
 # every scaler: ``stand_ins`` lets a clipping call over ``model.parameters()`` reach the masters.
 _MOVED = WeakIdKeyDictionary()  # weakref's own dictionary compares tensors with ==
@@ -36,10 +39,10 @@ def unroute(low: torch.Tensor) -> None:
     _MOVED.pop(low, None)
 
 
-def stand_ins(parameters: torch.Tensor | Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    """``parameters`` with each low-precision parameter whose gradient a scaler has moved this iteration
+@compiled.eager  # a weak dictionary, which Dynamo skips: one break, only for low-precision parameters
+def stand_ins(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``params`` with each low-precision parameter whose gradient a scaler has moved this iteration
     replaced by its master (whose gradient is the one the optimizer steps with)."""
-    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     return [_MOVED.get(p, p) for p in params]
 
 
@@ -47,8 +50,12 @@ def clip_grad_norm_(parameters: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` once a scaler with masters has moved gradients: float16
     parameters whose gradients are in float32 masters are clipped through those masters
     (``scaler.unscale_(opt); torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` as in torch's
-    recipe, nanoGPT, Accelerate and the HF Trainer); every other parameter as torch clips it."""
-    return torch_clip_grad_norm_(stand_ins(parameters), *args, **kwargs)
+    recipe, nanoGPT, Accelerate and the HF Trainer); every other parameter as torch clips it. Without
+    a low-precision parameter it is torch's call, traced as such in compiled code."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    if any(p.dtype in LOW_PRECISION for p in params):
+        params = stand_ins(params)
+    return torch_clip_grad_norm_(params, *args, **kwargs)
 
 
 def route_clipping() -> None:
@@ -82,6 +89,7 @@ class ZeroGradBoth:
         self._optimizer = weakref.ref(optimizer)
         self._lows = lows
 
+    @compiled.eager  # torch's zero_grad, which it calls, is one Dynamo skips too
     def __call__(self, set_to_none: bool = True) -> None:
         optimizer = self._optimizer()
         if optimizer is None:

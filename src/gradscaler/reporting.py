@@ -16,7 +16,9 @@ from typing import Any
 from gradscaler.diagnosis import describe, diagnose, top_offenders
 from gradscaler.scalerlog import LogSummary, summarise_file
 
-PLOT_HINT = "pip install 'gradscaler[plot]'"
+PLOT_HINT = "pip install 'matplotlib>=3.7' into the environment that runs gradscaler"
+"""What to do when matplotlib is missing. gradscaler is not on PyPI, so ``pip install 'gradscaler[plot]'``
+would fail; the ``plot`` extra is matplotlib and nothing else."""
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,8 @@ def report(
     still being written reads up to its last complete record. ``rank`` / ``run``: read only that
     writer's records, in a file that several wrote to (docs/log-format.md).
 
-    Returns a ``Report`` (``text``, ``steps``, ``skipped``, ``offenders``, ``findings``, ``figure``).
+    Returns a ``Report`` (``text``, ``steps``, ``skipped``, ``offenders``, ``findings``, ``figure``: the
+    file written, ``out`` with ``.png`` added when it has no suffix).
     Raises ``ValueError`` (one line, with the line number and the field) for a file that is not a
     scaler log: empty, not JSON lines, a value no logger writes, several writers' records mixed;
     ``OSError`` when it cannot be read, ``ModuleNotFoundError`` when ``out`` is given and matplotlib
@@ -65,9 +68,8 @@ def report(
     summary = summarise_file(path, ticker, rank=rank, run=run)
     if ticker is not None:
         ticker.finish(summary.records)
-    figure = None
-    if out is not None:
-        figure = Path(out)
+    figure = None if out is None else figure_path(out)
+    if figure is not None:
         draw(summary, figure, title=Path(path).name)
     return Report(
         text=describe(summary),
@@ -78,6 +80,13 @@ def report(
         figure=figure,
         summary=summary,
     )
+
+
+def figure_path(out: str | Path) -> Path:
+    """The file the figure is written to: ``out``, with ``.png`` added when it has no suffix (as matplotlib
+    adds it), so that what is printed is the file that exists."""
+    path = Path(out)
+    return path if path.suffix else path.with_name(path.name + ".png")
 
 
 class _Progress:

@@ -16,7 +16,7 @@ from typing import Any, TypedDict
 import torch
 from torch.amp.grad_scaler import OptState
 
-from gradscaler import checkpoint, clipping, distributed, fused, grads, kernels, masters, rule, stale
+from gradscaler import checkpoint, clipping, compiled, distributed, fused, grads, kernels, masters, rule, stale
 from gradscaler.monitor import Monitor
 from gradscaler.telemetry import COUNTERS, Keeper, make_telemetry
 from gradscaler.torch_surface import TorchSurface
@@ -54,6 +54,38 @@ class OptimizerRecord(TypedDict, total=False):
 
 def _refresh_per_optimizer_state() -> OptimizerRecord:
     return {"stage": OptState.READY, "found_inf_per_device": {}}
+
+
+class Step:
+    """One ``step`` of one optimizer, between its two halves: the call to make (``fn(*args, **kwargs)``,
+    none when skipped) and its ``result``, and what ``_end_step`` needs.
+
+    ``record`` is None for a disabled scaler. ``stepped``: whether the masters copy back (True for a
+    call made, a fused optimizer's included; None: the subclass's ``_maybe_opt_step`` decided, read
+    from the flag afterwards). ``fresh``: the parameters a fused optimizer's first step gives state
+    to; ``handed_over``: ``grad_scale`` and ``found_inf`` set on the optimizer for its kernel.
+    """
+
+    __slots__ = ("args", "fn", "fresh", "handed_over", "kwargs", "optimizer", "record", "result", "stepped")
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        record: OptimizerRecord | None,
+        fn: Callable[..., Any] | None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        stepped: bool | None = True,
+    ) -> None:
+        self.fn = fn
+        self.args = args
+        self.kwargs = {} if kwargs is None else kwargs
+        self.result: Any = None
+        self.optimizer = optimizer
+        self.record = record
+        self.stepped = stepped
+        self.fresh: list[torch.Tensor] = []
+        self.handed_over = False
 
 
 class GradScaler(TorchSurface, torch.amp.GradScaler):
@@ -134,6 +166,7 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
     ) -> None:
         self._device = device
         self._enabled = enabled
+        compiled.prepare(GradScaler, *masters.COMPILE_MARKED)  # the marks, before any step is traced
         if self._device == "cuda" and enabled and not torch.cuda.is_available():
             warnings.warn(_NO_CUDA_MESSAGE, stacklevel=2)
             self._enabled = False
@@ -178,6 +211,7 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         """A scaler for bfloat16 runs: scale fixed at 1, non-finite steps still skipped, clipping kept."""
         return cls(device, init_scale=1.0, min_scale=1.0, max_scale=1.0, **kwargs)
 
+    @compiled.eager
     def scale(self, outputs: Any) -> Any:  # type: ignore[override]
         """Multiply a tensor, or every tensor in nested lists/tuples/iterables, by the scale.
 
@@ -207,6 +241,7 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
 
         return scale_one(outputs)
 
+    @compiled.eager
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide ``optimizer``'s gradients by the scale in place and record whether any is non-finite.
 
@@ -235,6 +270,7 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
             self._masters.show(optimizer)
         record["stage"] = OptState.UNSCALED
 
+    @compiled.eager
     def clip_grad_norm_(
         self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0
     ) -> torch.Tensor:
@@ -286,6 +322,7 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         record["clipped"] = True
         return total
 
+    @compiled.eager_frame  # this frame only calls its two eager halves and, between them, optimizer.step
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (unless done) and run ``optimizer.step(*args, **kwargs)`` unless a gradient is non-finite.
 
@@ -295,11 +332,25 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         first step), other optimizers only when every gradient is finite (one host sync). If
         ``optimizer.step`` raises, the record stands: calling ``step`` again steps the gradients as
         they are, unscaled (and clipped) once; a new backward instead is unscaled afresh. Closures
-        are refused.
+        are refused. In compiled code the scaler's part runs eagerly and ``optimizer.step`` is
+        compiled, as with torch's scaler (docs/migration.md, "torch.compile").
         """
+        step = self._begin_step(optimizer, args, kwargs)
+        if step.fn is not None:
+            try:
+                step.result = step.fn(*step.args, **step.kwargs)
+            except BaseException:
+                self._end_step(step, completed=False)
+                raise
+        return self._end_step(step, completed=True)
+
+    @compiled.eager
+    def _begin_step(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Step:
+        """Everything before ``optimizer.step``: the checks, unscaling (or the fused check), the masters'
+        ``before_step``; returns the call to make, none when the step is skipped."""
         if not self._enabled:
             self._masters.refuse_disabled(optimizer)
-            return optimizer.step(*args, **kwargs)
+            return Step(optimizer, None, optimizer.step, args, kwargs)
         if "closure" in kwargs or (args and callable(args[0])):
             raise RuntimeError(_CLOSURE_MESSAGE)
         self._check_scale_growth_tracker("step")
@@ -307,40 +358,36 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         record = self._record(optimizer)
         if record["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
-        stepped = True  # a fused optimizer skips inside: its masters are unchanged and copy back as they were
         if fused.supports_amp_scaling(optimizer):
-            retval = self._fused_step(target, optimizer, record, args, kwargs)
-        else:
-            if record["stage"] is OptState.READY:
-                self._in_step = True
-                try:
-                    self.unscale_(optimizer)
-                finally:
-                    self._in_step = False
-            self._masters.before_step(optimizer)
-            if self._custom_opt_step:
-                retval = self._maybe_opt_step(target, record, *args, **kwargs)  # type: ignore[arg-type]
-                stepped = self._masters.active and not record["found_inf"].item()
-            else:
-                stepped = not record["found_inf"].item()
-                retval = target.step(*args, **kwargs) if stepped else None
-        self._masters.finish(optimizer, stepped)
-        record["stage"] = OptState.STEPPED
-        return retval
+            return self._begin_fused_step(target, optimizer, record, args, kwargs)
+        if record["stage"] is OptState.READY:
+            self._in_step = True
+            try:
+                self.unscale_(optimizer)
+            finally:
+                self._in_step = False
+        self._masters.before_step(optimizer)
+        if self._custom_opt_step:  # the subclass's hook decides; the masters copy back after a real step
+            return Step(optimizer, record, self._maybe_opt_step, (target, record, *args), kwargs, stepped=None)
+        if record["found_inf"].item():
+            return Step(optimizer, record, None, stepped=False)
+        return Step(optimizer, record, target.step, args, kwargs)
 
-    def _fused_step(
+    def _begin_fused_step(
         self,
         target: Any,
         optimizer: torch.optim.Optimizer,
         record: OptimizerRecord,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-    ) -> Any:
+    ) -> Step:
+        """A fused optimizer always steps: it gets ``grad_scale`` and ``found_inf`` and skips inside its
+        kernel (its masters are then unchanged and copy back as they were)."""
         if fused.takes_grad_scaler_kwarg(optimizer):
             fused.warn_legacy_kwarg()
             self._masters.move(optimizer)
             self._masters.before_step(optimizer)
-            return target.step(*args, **kwargs, grad_scaler=self)
+            return Step(optimizer, record, target.step, args, {**kwargs, "grad_scaler": self})
         if record["stage"] is OptState.READY:
             self._check_inf_per_device(optimizer)
         self._masters.before_step(optimizer)
@@ -354,19 +401,37 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
             assert self._scale is not None
             theirs = getattr(optimizer, "grad_scale", None)  # a multiplier set by the user, as torch honours
             grad_scale = self._scale if theirs is None else self._scale * theirs
-        fresh = (
-            fused.params_without_state(optimizer) if fused.has_fresh_state(optimizer, self._params(optimizer)) else []
-        )
+        step = Step(optimizer, record, target.step, args, kwargs)
+        if fused.has_fresh_state(optimizer, self._params(optimizer)):
+            step.fresh = fused.params_without_state(optimizer)
         optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
         optimizer.found_inf = found_inf  # type: ignore[attr-defined]
-        try:
-            return target.step(*args, **kwargs)
-        finally:  # also when the step raised after its kernel ran (a step post-hook, a KeyboardInterrupt)
+        step.handed_over = True
+        return step
+
+    @compiled.eager
+    def _end_step(self, step: Step, completed: bool) -> Any:
+        """After ``optimizer.step`` (or its skip): take back what a fused optimizer was handed (also when
+        the step raised after its kernel ran: a step post-hook, a KeyboardInterrupt); after a completed
+        step, copy the masters back and mark the optimizer stepped."""
+        optimizer, record = step.optimizer, step.record
+        if record is None:  # a disabled scaler: optimizer.step as it is
+            return step.result
+        if step.handed_over:
             del optimizer.grad_scale  # type: ignore[attr-defined]
             del optimizer.found_inf  # type: ignore[attr-defined]
-            if fresh and found_inf.item():  # the one host read, on a parameter's first step only
-                fused.forget_new_state(optimizer, fresh)
+            if step.fresh and record["found_inf"].item():  # the one host read, on a parameter's first step only
+                fused.forget_new_state(optimizer, step.fresh)
+        if not completed:
+            return None
+        stepped = step.stepped
+        if stepped is None:
+            stepped = self._masters.active and not record["found_inf"].item()
+        self._masters.finish(optimizer, stepped)
+        record["stage"] = OptState.STEPPED
+        return step.result
 
+    @compiled.eager
     def update(self, new_scale: float | int | torch.Tensor | None = None) -> None:
         """Update the scale by the rule in the class docstring, or set it to ``new_scale``.
 
@@ -401,6 +466,7 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         if self._monitor.wants_counters:
             self._monitor.after_update(self._telemetry.landed())
 
+    @compiled.eager
     def get_scale(self) -> float:
         """The current scale as a Python float (1.0 when disabled). Syncs with the device."""
         if not self._enabled:
@@ -411,6 +477,7 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         """The factor applied to the scale after ``growth_interval`` clean steps."""
         return self._rule.growth_factor
 
+    @compiled.eager
     def set_growth_factor(self, new_factor: float) -> None:
         """Set the growth factor: a finite number > 1, else ``ValueError`` and no change (disabled: no error)."""
         self._growth_factor = new_factor
@@ -419,6 +486,7 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         """The factor applied to the scale after an overflow."""
         return self._rule.backoff_factor
 
+    @compiled.eager
     def set_backoff_factor(self, new_factor: float) -> None:
         """Set the backoff factor: a number in (0, 1), else ``ValueError`` and no change (disabled: no error)."""
         self._backoff_factor = new_factor
@@ -427,6 +495,7 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         """The number of consecutive clean steps before the scale grows."""
         return self._rule.growth_interval
 
+    @compiled.eager
     def set_growth_interval(self, new_interval: int) -> None:
         """Set the growth interval: an int >= 1, else ``ValueError`` and no change (disabled: no error).
 
@@ -439,6 +508,7 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         """Whether this scaler scales (False after ``enabled=False`` or CUDA missing)."""
         return self._enabled
 
+    @compiled.eager
     def last_step_skipped(self) -> bool:
         """Whether the last ``update()`` saw an overflow (its step was skipped). Syncs with the device.
 
@@ -450,6 +520,7 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         """The last ``update()``'s overflow flag as a 0-d float32 device tensor (no sync), or None."""
         return self._last_found_inf
 
+    @compiled.eager
     def stats(self) -> dict[str, Any]:
         """``scale``, ``steps``, ``skipped_steps``, ``consecutive_skips``, ``growths``, ``backoffs``, ...
 
@@ -465,6 +536,7 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         out["hysteresis_tracker"] = snapshot.hysteresis_tracker
         return out
 
+    @compiled.eager
     def history(self) -> dict[str, list[Any]]:
         """The last ``history`` scales (after each update) and skip flags, oldest first. Syncs."""
         if self._telemetry is None:
@@ -472,6 +544,7 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         scales, skipped = self._telemetry.histories()
         return {"scale": scales, "skipped": skipped}
 
+    @compiled.eager
     def add_logger(self, callback: Callable[[dict[str, Any]], None], every: int = 1) -> None:
         """Call ``callback(stats)`` every ``every`` updates with counters that have reached the host.
 
@@ -482,6 +555,7 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         """
         self._monitor.add_logger(callback, every)
 
+    @compiled.eager
     def nonfinite_parameters(self) -> list[str]:
         """Names of the parameters whose current gradients hold inf or NaN (one sync).
 
@@ -490,6 +564,7 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         """
         return self._monitor.nonfinite_parameters()
 
+    @compiled.eager
     def last_grad_norms(self) -> dict[str, float]:
         """Per-parameter unscaled gradient norms from each optimizer's last ``clip_grad_norm_`` (one sync).
 
@@ -498,21 +573,25 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         """
         return self._monitor.last_grad_norms()
 
+    @compiled.eager
     def name_parameters(self, named: Any) -> None:
         """Tell the scaler parameter names for overflow reports: a module or ``named_parameters()``."""
         self._monitor.name_parameters(named.named_parameters() if isinstance(named, torch.nn.Module) else named)
 
+    @compiled.eager
     def master_weights(self, optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(low-precision parameter, float32 master) for each master ``optimizer`` steps (``master_weights=True``;
         empty before the first ``unscale_``/``step`` of ``optimizer`` or without masters)."""
         return self._masters.masters(optimizer)
 
+    @compiled.eager
     def state_dict(self) -> dict[str, Any]:
         """torch's five entries plus this scaler's policy, trackers and counters; plain Python values."""
         if not self._enabled:
             return {}
         return checkpoint.build_state_dict(self._snapshot())
 
+    @compiled.eager
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a dict from ``state_dict()`` (ours or torch's); validates all before changing anything."""
         if not self._enabled:

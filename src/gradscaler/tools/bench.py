@@ -13,8 +13,9 @@ Three sections, each checking correctness while it times:
 * ``iteration``: whole training iterations of a GPT-2-small-shaped model under float16 autocast
   (CUDA: 124M, batch 8 x 1024; CPU: a small one), clip 1.0, fused and foreach AdamW.
 
-On request (``--sections``): ``matrix`` (``matrix.py``), ``masters`` (``bench_masters.py``) and
-``memory`` (``memory.py``: bytes per parameter measured from the storages, nothing timed).
+On request (``--sections``): ``matrix`` (``matrix.py``), ``masters`` (``bench_masters.py``),
+``compile`` (``bench_compile.py``: eager, compiled model, compiled step) and ``memory``
+(``memory.py``: bytes per parameter measured from the storages, nothing timed).
 """
 
 from __future__ import annotations
@@ -287,7 +288,7 @@ def run(
     sections: list[str],
     progress: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Run the chosen sections (kernel, step, iteration, masters, memory) and return every number (matrix:
+    """Run the chosen sections (kernel, step, iteration, masters, compile, memory) and return every number (matrix:
     ``matrix.py``)."""
     device = torch.device(device_name or ("cuda" if torch.cuda.is_available() else "cpu"))
     shapes = gpt2_shapes(1024, 24, 50257, 1024) if device.type == "cuda" else gpt2_shapes(512, 8, 16384, 512)
@@ -306,6 +307,11 @@ def run(
 
         progress("bench: float16 parameters + master weights, step phase (4 rows x 2 variants) ...")
         results["masters"] = masters_section(device, shapes, steps, warmup)
+    if "compile" in sections:
+        from gradscaler.tools.bench_compile import compile_section
+
+        progress("bench: training steps eager, model compiled, step compiled (4 loop shapes x 2 scalers) ...")
+        results["compile"] = compile_section(device, steps, warmup)
     if "memory" in sections:
         from gradscaler.tools.memory import memory_section
 
@@ -342,6 +348,10 @@ def format_tables(results: dict[str, Any]) -> str:
         from gradscaler.tools.bench_masters import masters_lines
 
         formatters["masters"] = masters_lines
+    if "compile" in results:
+        from gradscaler.tools.bench_compile import compile_lines
+
+        formatters["compile"] = compile_lines
     if "memory" in results:
         from gradscaler.tools.memory import memory_lines
 

@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import re
 import sys
+import textwrap
 from collections.abc import Sequence
+from pathlib import Path
 
-SECTIONS = ("kernel", "step", "iteration", "matrix", "masters", "memory")
+from gradscaler.tools.shell import command, quoted
+
+# No torch at module top, here or in ``shell``: ``--help`` and argument errors answer without it.
+
+SECTIONS = ("kernel", "step", "iteration", "matrix", "masters", "compile", "memory")
 DEFAULT_SECTIONS = ("kernel", "step", "iteration")
 
 
@@ -21,6 +28,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _device(text: str) -> str:
+    """``--device``: cpu, cuda or cuda:N, checked without importing torch (whether CUDA is there is not)."""
+    if re.fullmatch(r"cpu|cuda(:\d+)?", text) is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device the tools run on; use cpu, cuda or cuda:N")
+    return text
+
+
 def _sections(text: str) -> list[str]:
     chosen = [s.strip() for s in text.split(",") if s.strip()]
     unknown = [s for s in chosen if s not in SECTIONS]
@@ -29,16 +43,37 @@ def _sections(text: str) -> list[str]:
     return chosen
 
 
+def _wrapped(text: str) -> str:
+    """A help description wrapped by hand: the raw formatter that keeps the example's lines keeps this too."""
+    return textwrap.fill(text, 88)
+
+
+def _example(*lines: str) -> str:
+    """A subcommand's help epilog: commands as this shell runs them (``shell.command``)."""
+    return "example:\n" + "\n".join(f"  {command()} {line}" for line in lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gradscaler", description="Dynamic loss scaling for float16 training.")
+    parser = argparse.ArgumentParser(
+        prog="gradscaler",
+        description=_wrapped("Dynamic loss scaling for float16 training."),
+        epilog=_example("demo", "report gradscaler-demo-scaler.jsonl --out gradscaler-demo-report.png"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
         "demo",
         help="show why loss scaling matters: fp32 vs fp16 with and without scaling, fp16 weights with masters",
-        description="Train a small transformer language model on embedded text in float32, "
-        "in float16 without loss scaling and in float16 with gradscaler; then the model cast to float16, "
-        "with float32 master weights (master_weights=True) and without; print a summary "
-        "table and write a figure (PNG) and the numbers (JSON).",
+        description=_wrapped(
+            "Train a small transformer language model on generated text in float32, "
+            "in float16 without loss scaling and in float16 with gradscaler; then the model cast to float16, "
+            "with float32 master weights (master_weights=True) and without; print a summary table "
+            "and write, in the --out folder: gradscaler-demo.png (the figure), gradscaler-demo.json (the "
+            "numbers) and gradscaler-demo-scaler.jsonl (the log of the fp16 + gradscaler run, every step; "
+            "`report` reads it). About a minute on one CPU core without AVX-512."
+        ),
+        epilog=_example("demo --out demo-run --seed 1"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     demo.add_argument(
         "--steps",
@@ -46,8 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="training steps per run (default: 400 on the CPU, 600 on CUDA)",
     )
-    demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    demo.add_argument("--out", default=".", help="folder for gradscaler-demo.png and gradscaler-demo.json")
+    demo.add_argument("--device", type=_device, default=None, help="cpu or cuda (default: cuda when available)")
+    demo.add_argument(
+        "--out",
+        default=".",
+        help="folder for gradscaler-demo.png, gradscaler-demo.json and gradscaler-demo-scaler.jsonl "
+        "(default: the current folder; created if missing)",
+    )
     demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     demo.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     demo.add_argument(
@@ -60,9 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench",
         help="time torch.amp.GradScaler and gradscaler side by side",
-        description="Side-by-side benchmark in one process; checks results while timing.",
+        description=_wrapped("Side-by-side benchmark in one process; checks results while timing."),
+        epilog=_example("bench --sections kernel,step --out bench.json"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    bench.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    bench.add_argument("--device", type=_device, default=None, help="cpu or cuda (default: cuda when available)")
     bench.add_argument("--steps", type=_positive_int, default=30, help="timed steps per variant (median; default 30)")
     bench.add_argument("--warmup", type=_positive_int, default=5, help="untimed warm-up steps (default 5)")
     bench.add_argument(
@@ -71,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=list(DEFAULT_SECTIONS),
         help=f"comma-separated subset of {','.join(SECTIONS)} (default: {','.join(DEFAULT_SECTIONS)}; "
         "matrix: shapes x optimizers x clip with host time, and whole iterations at batch 1; masters: float16 "
-        "parameters with master_weights=True against the recipe by hand; memory: bytes per parameter of "
+        "parameters with master_weights=True against the recipe by hand; compile: whole steps eager, with "
+        "the model compiled and with the step compiled, torch's scaler against ours; memory: bytes per parameter of "
         "float32 / float16 + masters / float16 parameters after a training step, measured from the storages)",
     )
     bench.add_argument(
@@ -81,11 +124,20 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser(
         "report",
         help="read a scaler log (JsonLinesLogger) and say what happened to the scale",
-        description='Summarise a JSON-lines scaler log ("N of M steps skipped", the parameters that '
-        "overflowed most), diagnose it in plain words, and draw it with --out. Streams the file.",
+        description=_wrapped(
+            'Summarise a JSON-lines scaler log ("N of M steps skipped", the parameters that '
+            "overflowed most), diagnose it in plain words, and draw it with --out. Streams the file."
+        ),
+        epilog=_example("report gradscaler-demo-scaler.jsonl --out gradscaler-demo-report.png"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     report.add_argument("log", help="the file JsonLinesLogger wrote")
-    report.add_argument("--out", default=None, help="write the figure to this PNG (needs matplotlib)")
+    report.add_argument(
+        "--out",
+        default=None,
+        help="write the figure to this file, in a folder that exists (PNG; .png is added to a name "
+        "without a suffix; needs matplotlib)",
+    )
     report.add_argument(
         "--rank", type=int, default=None, help="read only this rank's records (a file several ranks wrote to)"
     )
@@ -94,16 +146,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_device(parser: argparse.ArgumentParser, device: str | None) -> None:
+    """Whether CUDA is there: the one check of an argument that needs torch, made before the command runs."""
+    if device is None or not device.startswith("cuda"):
+        return
     import torch
 
-    if device is None:
-        return
-    try:
-        parsed = torch.device(device)
-    except RuntimeError:
-        parser.error(f"--device {device!r} is not a device torch knows; use cpu or cuda")
-    if parsed.type == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda was given but torch.cuda.is_available() is False; use --device cpu")
+    if not torch.cuda.is_available():
+        parser.error(f"--device {device} was given but torch.cuda.is_available() is False; use --device cpu")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -132,28 +181,53 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def report_command(log: str, out: str | None, rank: int | None = None, run: str | None = None) -> int:
-    """``gradscaler report``: the text on stdout; a bad log is one line on stderr and exit status 1."""
+    """``gradscaler report``: the text on stdout; a problem is one line on stderr naming the file at fault
+    (the log, or the figure's file or folder) and exit status 1."""
+    from gradscaler.reporting import PLOT_HINT, figure_path
+
+    figure = None if out is None else figure_path(out)
+    if out is not None and figure is not None:
+        problem = _unwritable(Path(out), figure)
+        if problem is not None:
+            print(f"gradscaler report: --out {out}: {problem}", file=sys.stderr)
+            return 1
     import gradscaler
-    from gradscaler.reporting import PLOT_HINT
+    from gradscaler.reporting import draw
     from gradscaler.scalerlog import LogError
 
-    drawable = out is not None and importlib.util.find_spec("matplotlib") is not None
     try:
-        result = gradscaler.report(log, out if drawable else None, progress=True, rank=rank, run=run)
+        result = gradscaler.report(log, None, progress=True, rank=rank, run=run)
     except LogError as error:
         print(f"gradscaler report: {log}: {error}", file=sys.stderr)
         return 1
     except OSError as error:
-        print(f"gradscaler report: cannot read {log}: {error.strerror or error}", file=sys.stderr)
+        print(f"gradscaler report: cannot read the log {log}: {error.strerror or error}", file=sys.stderr)
         return 1
     print(result.text)
-    if out is None:
+    if figure is None:
         return 0
-    if not drawable:
+    if importlib.util.find_spec("matplotlib") is None:
         print(f"gradscaler report: no figure written: matplotlib is not installed ({PLOT_HINT})", file=sys.stderr)
         return 1
-    print(f"figure: {out}")
+    try:
+        draw(result.summary, figure, title=Path(log).name)
+    except OSError as error:
+        print(f"gradscaler report: cannot write the figure {figure}: {error.strerror or error}", file=sys.stderr)
+        return 1
+    print(f"figure: {figure}")
     return 0
+
+
+def _unwritable(out: Path, figure: Path) -> str | None:
+    """Why the figure (``out``, written to ``figure``) cannot be written, said before the log is read (a long
+    log takes seconds)."""
+    folder = figure.parent
+    if out.is_dir() or figure.is_dir():
+        return f"{out} is a folder; name a file in it, e.g. --out {quoted(out / 'report.png')}"
+    if not folder.is_dir():
+        what = "is not a folder" if folder.exists() else "does not exist"
+        return f"the folder {folder} {what}; create it (mkdir -p {quoted(folder)}) or choose another --out"
+    return None
 
 
 if __name__ == "__main__":

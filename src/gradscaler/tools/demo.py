@@ -32,11 +32,9 @@ The verdicts hold over seeds 0-3 at both sizes (benchmarks/results/demo-seeds-cp
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import random
-import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -46,6 +44,9 @@ import torch
 from torch import nn
 
 from gradscaler import GradScaler, JsonLinesLogger
+from gradscaler.reporting import PLOT_HINT
+from gradscaler.tools import shell
+from gradscaler.tools.demo_figure import plot, scale_text
 from gradscaler.tools.demo_fp16 import (
     FP16_PARAMETERS,
     MASTERS,
@@ -56,10 +57,10 @@ from gradscaler.tools.demo_fp16 import (
     no_masters_line,
     optimizer_params,
 )
+from gradscaler.tools.demo_progress import Progress, bar
 from gradscaler.tools.toy_model import TinyGPT
 
 FP16_TINY = 2.0**-24  # smallest positive subnormal float16
-FP16_MAX = 65504.0
 SCALED = "fp16 + gradscaler"
 RUNS = ("fp32", "fp16, no scaling", SCALED, MASTERS, NO_MASTERS)
 GLOBAL_TOKENS = 2**20
@@ -105,6 +106,9 @@ LOSS_TOLERANCE = 0.10
 weights, within 10% of the fp32 run's (float16 rounding makes the trajectories differ step by step;
 all are evaluated in float32 on the same held-out batches)."""
 EVAL_BATCHES = 4
+GROWTH_INTERVAL = 10
+"""The scaled runs' ``growth_interval`` (torch's default: 2000), so that a few hundred steps show the scale
+growing up to overflow and backing off."""
 
 
 def corpus(seed: int, sentences: int = 4000) -> str:
@@ -199,10 +203,14 @@ def train(
     opt = torch.optim.AdamW(model.parameters(), lr=setup.lr, weight_decay=0.0, **fused)
     schedule = None if setup.final_lr is None else torch.optim.lr_scheduler.LambdaLR(opt, setup.lr_factor)
     fp16 = name != "fp32"
-    # growth_interval=10 (torch: 2000) so that a few hundred steps show growth up to overflow and the backoff;
     # collapse_patience=None lets the float16 run without masters go on to the end once it has diverged.
     scaler = (
-        GradScaler(batches.device.type, growth_interval=10, collapse_patience=None, master_weights=name == MASTERS)
+        GradScaler(
+            batches.device.type,
+            growth_interval=GROWTH_INTERVAL,
+            collapse_patience=None,
+            master_weights=name == MASTERS,
+        )
         if name in (SCALED, *FP16_PARAMETERS)
         else None
     )
@@ -240,7 +248,7 @@ def train(
         if clock is not None:
             clock.step()
         if progress:
-            _bar(name, step + 1, steps, losses[-1], begin, clock)
+            bar(name, step + 1, steps, losses[-1], begin, clock)
     seconds = time.perf_counter() - begin
     held_out = [batches.get(10**6 + i) for i in range(EVAL_BATCHES)]
     evaluated = float32_copy(model) if name in FP16_PARAMETERS else model
@@ -264,62 +272,6 @@ def train(
     }
 
 
-class Progress:
-    """The demo's clock: the time left of all its runs.
-
-    A float16 run costs several times the fp32 run a step on a CPU without AVX-512, so the runs still to
-    come are timed at the speed of the float16 run in progress or last finished (the float16 runs are
-    alike); until one has run (during the fp32 run) the demo's time left is unknown.
-    """
-
-    def __init__(self, runs: tuple[str, ...], steps: int) -> None:
-        self.runs, self.steps = runs, steps
-        self.run, self.run_begin, self.run_done = "", time.perf_counter(), 0
-        self.fp16_rate: float | None = None  # steps a second of the latest float16 run
-
-    def start(self, name: str) -> None:
-        """A run begins (its first step is about to)."""
-        self.run, self.run_begin, self.run_done = name, time.perf_counter(), 0
-
-    def step(self) -> None:
-        """A step of the run in progress is done."""
-        self.run_done += 1
-        if self.run != "fp32":
-            self.fp16_rate = self.run_done / max(time.perf_counter() - self.run_begin, 1e-9)
-
-    def left(self) -> float | None:
-        """Seconds left of the demo's runs, or None before any float16 step was timed."""
-        if self.fp16_rate is None or self.run not in self.runs:
-            return None
-        later = len(self.runs) - 1 - self.runs.index(self.run)
-        rate = self.run_done / max(time.perf_counter() - self.run_begin, 1e-9)
-        return (self.steps - self.run_done) / rate + later * self.steps / self.fp16_rate
-
-
-def _bar(name: str, done: int, total: int, loss: float, begin: float, clock: Progress | None = None) -> None:
-    """A progress bar redrawn in place on a terminal; one line per 10% when stderr is a file or pipe.
-
-    It shows the time left of this run and, with ``clock``, of the whole demo.
-    """
-    interactive = sys.stderr.isatty()
-    if not interactive and done % max(total // 10, 1) and done != total:
-        return
-    width = 30
-    filled = int(width * done / total)
-    rate = done / max(time.perf_counter() - begin, 1e-9)
-    left = f"{(total - done) / rate:.0f}s left"
-    demo_left = None if clock is None else clock.left()
-    if demo_left is not None:
-        left += f", demo {demo_left:.0f}s"
-    sys.stderr.write(
-        ("\r" if interactive else "")
-        + f"{name:<32} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} "
-        + f"loss {loss:.3f}  {rate:.1f} it/s  {left} "
-        + ("\n" if done == total or not interactive else "")
-    )
-    sys.stderr.flush()
-
-
 def summary_table(runs: list[dict[str, Any]]) -> str:
     """The demo's summary, as a Markdown table."""
     lines = [
@@ -331,7 +283,7 @@ def summary_table(runs: list[dict[str, Any]]) -> str:
         scaled = r["run"] in (SCALED, *FP16_PARAMETERS)
         share = "-" if r["underflow_share"] is None else f"{100 * r['underflow_share']:.1f}%"
         skipped = str(r["skipped_steps"]) if scaled else "-"
-        scale = f"{r['final_scale']:g}" if scaled else "-"
+        scale = scale_text(r["final_scale"]) if scaled else "-"
         lost = "-" if r.get("lost_update_share") is None else f"{100 * r['lost_update_share']:.2f}%"
         if r["run"] == MASTERS and lost != "-":
             lost += " (kept by the masters)"
@@ -346,20 +298,34 @@ def verdict(runs: list[dict[str, Any]]) -> list[str]:
     by_name = {r["run"]: r for r in runs}
     fp32 = by_name["fp32"]["final_loss"]
     out = [within_tolerance(SCALED, by_name[SCALED]["final_loss"], fp32)]
-    lag = (by_name["fp16, no scaling"]["final_loss"] - fp32) / fp32
-    out.append(
-        f"fp16 without scaling ends {100 * lag:+.1f}% from the fp32 loss: "
-        + (
-            "it lags, because the gradients it needed were flushed to zero."
-            if lag > LOSS_TOLERANCE
-            else "no lag at this size."
-        )
-    )
+    out.append(no_scaling_line(by_name["fp16, no scaling"]["losses"], by_name["fp16, no scaling"]["final_loss"], fp32))
     if MASTERS in by_name:
         out.append(within_tolerance(MASTERS, by_name[MASTERS]["final_loss"], fp32) + masters_line(by_name[MASTERS]))
     if NO_MASTERS in by_name:
         out.append(no_masters_line(by_name[NO_MASTERS], fp32, LOSS_TOLERANCE))
     return out
+
+
+def no_scaling_line(losses: list[float], final: float, fp32: float) -> str:
+    """The verdict of the float16 run without scaling: stalled (it stopped learning), lags, or no lag.
+
+    Stalled: over the second half of the run its training loss (the mean of a twentieth of the run, at
+    the middle and at the end) fell by less than the tolerance.
+    """
+    lag = (final - fp32) / fp32
+    head = f"fp16 without scaling ends {100 * lag:+.1f}% from the fp32 loss"
+    if lag <= LOSS_TOLERANCE:
+        return f"{head}: no lag at this size."
+    window = max(len(losses) // 20, 1)
+    half = max(len(losses) // 2, window)
+    middle = sum(losses[half - window : half]) / window
+    end = sum(losses[-window:]) / window
+    if end > middle * (1 - LOSS_TOLERANCE):
+        return (
+            f"{head}: it stalled (training loss {middle:.2f} at step {half}, {end:.2f} at step {len(losses)}), "
+            "because the gradients it needed were flushed to zero."
+        )
+    return f"{head}: it lags, because the gradients it needed were flushed to zero."
 
 
 def within_tolerance(name: str, loss: float, fp32: float) -> str:
@@ -385,68 +351,9 @@ def histogram_data(grads: torch.Tensor, scale: float) -> dict[str, Any]:
         "scale": scale,
         "zeros": int((grads == 0).sum()),
         "total": grads.numel(),
+        "flushed_before": underflow_share(grads, 1.0),
+        "flushed_after": underflow_share(grads, scale),
     }
-
-
-def plot(runs: list[dict[str, Any]], hist: dict[str, Any], path: Path) -> bool:
-    """Write the three-panel figure; False when matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
-    edges = hist["edges"]
-    centers = [(a + b) / 2 for a, b in itertools.pairwise(edges)]
-    ax = axes[0]
-    ax.fill_between(centers, hist["before"], step="mid", alpha=0.5, label="as computed (scale 1)")
-    ax.fill_between(centers, hist["after"], step="mid", alpha=0.5, label=f"scaled by {hist['scale']:g}")
-    ax.axvspan(edges[0], -24, color="red", alpha=0.08, label="below fp16 subnormals: becomes 0")
-    ax.axvspan(-24, -14, color="orange", alpha=0.08, label="fp16 subnormal (lost precision)")
-    ax.axvline(math.log2(FP16_MAX), color="black", lw=1, ls="--", label="fp16 max (65504)")
-    ax.set(title="Activation gradients (one batch, float32)", xlabel="log2 |gradient|", ylabel="values")
-    ax.legend(fontsize=7)
-    ax = axes[1]
-    for r in runs:
-        smooth = _smooth(r["losses"], 10)
-        style = "--" if r["run"] in FP16_PARAMETERS else "-"
-        (line,) = ax.plot(smooth, ls=style, label=f"{r['run']} (final {r['final_loss']:.2f})")
-        broken = next((i for i, v in enumerate(r["losses"]) if not math.isfinite(v)), None)
-        if broken is not None and broken > 0:  # where the curve stops: the loss is not finite from here
-            ax.scatter([broken - 1], [smooth[broken - 1]], color=line.get_color(), marker="x", zorder=3)
-            line.set_label(f"{r['run']} (non-finite from step {broken})")
-    ax.set(title="Training loss", xlabel="step", ylabel="cross-entropy (10-step mean)")
-    ax.legend(fontsize=8)
-    ax = axes[2]
-    for r in runs:
-        if r["run"] not in (SCALED, MASTERS):
-            continue
-        (line,) = ax.semilogy(r["scales"], ls="--" if r["run"] == MASTERS else "-", label=f"loss scale, {r['run']}")
-        skipped = [i for i, s in enumerate(r["skipped"]) if s]
-        ax.scatter(
-            skipped,
-            [r["scales"][i] for i in skipped],
-            color=line.get_color(),
-            marker="x",
-            zorder=3,
-            label=f"skipped step ({len(skipped)})",
-        )
-    ax.set(title="gradscaler: scale after each step", xlabel="step", ylabel="scale")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
-
-
-def _smooth(values: list[float], window: int) -> list[float]:
-    out, total = [], 0.0
-    for i, v in enumerate(values):
-        total += v - (values[i - window] if i >= window else 0.0)
-        out.append(total / min(i + 1, window))
-    return out
 
 
 def json_safe(value: Any) -> Any:
@@ -492,10 +399,12 @@ def _demo(args: Any) -> int:
     runs = [train(name, setup, batches, args.seed, not args.no_progress, log, clock) for name in RUNS]
     scaled = next(r for r in runs if r["run"] == SCALED)
     hist = histogram_data(scaled["activation_gradients"], scaled["final_scale"])
+    hist["flushed_without_scaling"] = next(r for r in runs if r["run"] == "fp16, no scaling")["underflow_share"]
     print()
     print(summary_table(runs))
     print()
-    for line in verdict(runs):
+    verdicts = verdict(runs)
+    for line in verdicts:
         print(line)
     numbers = {
         "steps": setup.steps,
@@ -510,10 +419,18 @@ def _demo(args: Any) -> int:
     json_path = out / "gradscaler-demo.json"
     json_path.write_text(json.dumps(json_safe(numbers), indent=1, allow_nan=False))
     png = out / "gradscaler-demo.png"
-    if plot(runs, hist, png):
+    if plot(runs, hist, verdicts, GROWTH_INTERVAL, png):
         print(f"\nfigure: {png}")
     else:
-        print("\nmatplotlib is not installed, so no figure was drawn: pip install 'gradscaler[plot]'")
+        print(f"\nmatplotlib is not installed, so no figure was drawn: {PLOT_HINT}")
     print(f"numbers: {json_path}")
-    print(f"scaler log: {log} (see it: gradscaler report {log} --out report.png)")
+    print(f"scaler log of the {SCALED} run: {log}")
+    print("\nWhat happened to its loss scale, in words and in a figure:")
+    print(f"  {report_hint(log)}")
     return 0
+
+
+def report_hint(log: Path) -> str:
+    """The ``gradscaler report`` command for the demo's log, as it runs when pasted in this shell."""
+    figure = log.with_name("gradscaler-demo-report.png")
+    return f"{shell.command()} report {shell.quoted(log)} --out {shell.quoted(figure)}"

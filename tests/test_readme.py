@@ -1,0 +1,151 @@
+"""README as a newcomer uses it: its commands run as pasted, its figures are the recorded run's.
+
+README's demo numbers, its quoted report and its two figures come from one recorded run
+(``benchmarks/demo_record.py`` writes ``benchmarks/results/demo-record/`` and README's marked blocks).
+These tests fail when README and the record disagree, when the code would print the record's numbers
+differently, and when a command README shows would not run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from gradscaler.tools import cli, demo
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def load_recorder() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("demo_record", ROOT / "benchmarks" / "demo_record.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+recorder = load_recorder()
+
+
+def shell_lines() -> list[str]:
+    """Every command line of README's ``sh`` blocks, comments cut off."""
+    blocks = re.findall(r"```sh\n(.*?)```", README, flags=re.S)
+    lines = [line.split("  #")[0].strip() for block in blocks for line in block.splitlines()]
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+@pytest.mark.parametrize("name", recorder.BLOCKS)
+def test_readme_demo_blocks_are_the_recorded_run(name: str) -> None:
+    expected = recorder.render(recorder.read_record())[name]
+    assert recorder.block(README, name) == expected, (
+        f"README's {name} block differs from benchmarks/results/demo-record: "
+        "run PYTHONPATH=src python3 benchmarks/demo_record.py --readme (or without --readme to record again)"
+    )
+
+
+def finite_or_nan(run: dict[str, Any]) -> dict[str, Any]:
+    """A run as the demo held it before writing JSON (which has no NaN: ``json_safe`` wrote None)."""
+    out = dict(run)
+    out["losses"] = [math.nan if v is None else v for v in run["losses"]]
+    out["final_loss"] = math.nan if run["final_loss"] is None else run["final_loss"]
+    return out
+
+
+def test_the_code_prints_the_recorded_numbers_as_recorded() -> None:
+    """The table and verdicts README quotes, made again by today's code from the recorded numbers."""
+    record = recorder.read_record()
+    runs = [finite_or_nan(r) for r in record["numbers"]["runs"]]
+    printed = demo.summary_table(runs) + "\n\n" + "\n".join(demo.verdict(runs))
+    assert printed == recorder.demo_results(record["demo"])
+
+
+def test_the_record_names_its_command_cpu_and_commit() -> None:
+    meta = recorder.read_record()["meta"]
+    assert meta["command"].endswith("gradscaler demo --no-progress")
+    assert re.fullmatch(r"[0-9a-f]{7,}( with uncommitted changes under src/)?", meta["commit"])
+    assert meta["cpu"] and meta["cpu_capability"] and meta["torch"].startswith("2.")
+    assert recorder.block(README, "demo-record").count(meta["commit"]) == 1
+
+
+def test_readme_report_command_prints_what_readme_says(tmp_path: Path) -> None:
+    """README's line after ``make demo``, run on the recorded demo's log in a folder like a fresh clone."""
+    (line,) = [line for line in shell_lines() if line.startswith(".venv/bin/gradscaler report ")]
+    shutil.copyfile(recorder.RECORD / "gradscaler-demo-scaler.jsonl", tmp_path / "gradscaler-demo-scaler.jsonl")
+    argv = shlex.split(line)[1:]
+    assert argv == recorder.REPORT_ARGS  # the command the record ran
+    result = subprocess.run(
+        [sys.executable, "-m", "gradscaler", *argv], cwd=tmp_path, capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    quoted = recorder.block(README, "demo-report").removeprefix("```text\n").removesuffix("\n```")
+    assert result.stdout == quoted + "\nfigure: gradscaler-demo-report.png\n"
+    assert (tmp_path / "gradscaler-demo-report.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_files_the_demo_and_report_write_in_a_clone_are_ignored_by_git() -> None:
+    patterns = (ROOT / ".gitignore").read_text().splitlines()
+    for name in (
+        "gradscaler-demo.png",
+        "gradscaler-demo.json",
+        "gradscaler-demo-scaler.jsonl",
+        "gradscaler-demo-report.png",
+    ):
+        assert any(p.startswith("/") and Path(name).match(p[1:]) for p in patterns), name
+
+
+@pytest.mark.parametrize("line", [line for line in shell_lines() if shlex.split(line)[0].endswith("gradscaler")])
+def test_readme_gradscaler_command_lines_parse(line: str) -> None:
+    program, *argv = shlex.split(line)
+    assert program == ".venv/bin/gradscaler", f"{line}: after make demo the tools are in .venv/bin, not on PATH"
+    cli.build_parser().parse_args(argv)  # argparse exits (status 2) on a bad line
+
+
+def test_readme_make_targets_exist() -> None:
+    makefile = (ROOT / "Makefile").read_text()
+    targets = {line.split()[1] for line in shell_lines() if line.startswith("make ")}
+    assert targets >= {"demo", "test"}
+    for target in targets:
+        assert re.search(rf"(?m)^{target}:", makefile), target
+
+
+def test_readme_pip_lines_install_what_exists() -> None:
+    """gradscaler is not on PyPI: a pip line installs a path or a git URL, with extras pyproject defines."""
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    table = pyproject.split("[project.optional-dependencies]\n", 1)[1].split("\n[", 1)[0]
+    extras = set(re.findall(r"(?m)^([\w-]+) = ", table))
+    assert {"plot", "triton", "test", "dev"} <= extras
+    lines = [line for line in shell_lines() if line.startswith("pip install")]
+    assert lines
+    for line in lines:
+        (requirement,) = [w for w in shlex.split(line)[2:] if not w.startswith("-")]
+        assert requirement.startswith(".") or "@ git+" in requirement, line  # never a name looked up on an index
+        named = re.search(r"\[(.*?)\]", requirement)
+        assert named is not None and set(named.group(1).split(",")) <= extras, line
+
+
+def test_readme_files_it_runs_exist() -> None:
+    for line in shell_lines():
+        for word in shlex.split(line):
+            if word.endswith(".py"):
+                assert (ROOT / word).is_file(), line
+
+
+def test_readme_links_to_its_own_sections_resolve() -> None:
+    """The contents list: every #anchor is a heading (GitHub's anchors: lower case, punctuation dropped)."""
+    anchors = {
+        re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        for heading in re.findall(r"(?m)^#{2,3} (.*)$", README)
+    }
+    links = set(re.findall(r"\]\(#([^)]+)\)", README))
+    assert links and links <= anchors, links - anchors
