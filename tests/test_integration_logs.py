@@ -117,16 +117,13 @@ def test_trainer_scale_log_callback_reaches_report_to_tensorboard(
     assert logged[-1][2] >= 1 and len({scale for _, scale, _ in logged}) > 1  # the scale moved and steps skipped
 
 
-def test_trainer_scale_log_callback_reaches_log_history_and_trainer_state_json(tmp_path: Path) -> None:
-    """What W&B, MLflow and the console show through the Trainer's reporters, and what a checkpoint
-    keeps: ``trainer.state.log_history`` and the saved ``trainer_state.json`` hold the scale at each log."""
+def train_with_scale_log(tmp_path: Path, data: list[dict[str, torch.Tensor]], **logging: Any) -> tuple[Any, dict]:
+    """12 fp16 Trainer steps of the tiny GPT-2 with our scaler and ``ScaleLogCallback``, checkpointed at
+    step 12; returns the trainer and, by step, the (scale, skipped steps) the scaler held at its end."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from gradscaler.frameworks import ScaleLogCallback
 
-    model = tiny_gpt2()
-    g = torch.Generator().manual_seed(1)
-    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (24, 16), generator=g)]
     scaler = gradscaler.GradScaler("cpu", **EARLY_OVERFLOW)
     expected: dict[int, tuple[float, int]] = {}
 
@@ -136,13 +133,22 @@ def test_trainer_scale_log_callback_reaches_log_history_and_trainer_state_json(t
 
     args = TrainingArguments(
         output_dir=str(tmp_path / "out"), fp16=True, use_cpu=True, optim="adamw_torch_fused", learning_rate=1e-3,
-        max_steps=12, per_device_train_batch_size=2, max_grad_norm=1.0, logging_steps=3, report_to=[],
-        save_strategy="steps", save_steps=12, disable_tqdm=True, seed=0, dataloader_num_workers=0,
+        max_steps=12, per_device_train_batch_size=2, max_grad_norm=1.0, report_to=[], save_strategy="steps",
+        save_steps=12, disable_tqdm=True, seed=0, dataloader_num_workers=0, **logging,
     )  # fmt: skip
-    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[Recorder(), ScaleLogCallback()])
+    trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=data, callbacks=[Recorder(), ScaleLogCallback()])
     trainer.accelerator.native_amp = True
     trainer.accelerator.scaler = scaler
     trainer.train()
+    return trainer, expected
+
+
+def test_trainer_scale_log_callback_reaches_log_history_and_trainer_state_json(tmp_path: Path) -> None:
+    """What W&B, MLflow and the console show through the Trainer's reporters, and what a checkpoint
+    keeps: ``trainer.state.log_history`` and the saved ``trainer_state.json`` hold the scale at each log."""
+    g = torch.Generator().manual_seed(1)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (24, 16), generator=g)]
+    trainer, expected = train_with_scale_log(tmp_path, data, logging_steps=3)
     training_logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert [entry["step"] for entry in training_logs] == [3, 6, 9, 12]
     for entry in training_logs:
@@ -159,33 +165,12 @@ def test_trainer_scale_log_callback_keeps_the_scale_in_log_history_when_the_loss
     """The logs a user reads when a run goes wrong: with ``logging_nan_inf_filter=False`` a NaN loss
     reaches the log (and stays NaN in every later one), and each of those entries in ``log_history``
     and ``trainer_state.json`` still holds the scale (NaN != NaN once dropped it from all of them)."""
-    from transformers import Trainer, TrainerCallback, TrainingArguments
-
-    from gradscaler.frameworks import ScaleLogCallback
-
-    model = tiny_gpt2()
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 64, (24, 16), generator=g)
     # Every label ignored in half the examples: a batch of two such examples has no token to average
     # over, and its loss is 0/0 (NaN); unfiltered, the running loss stays NaN from then on.
     data = [{"input_ids": x, "labels": torch.full_like(x, -100) if i >= 12 else x} for i, x in enumerate(ids)]
-    scaler = gradscaler.GradScaler("cpu", **EARLY_OVERFLOW)
-    expected: dict[int, tuple[float, int]] = {}
-
-    class Recorder(TrainerCallback):  # type: ignore[misc]
-        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            expected[state.global_step] = (scaler.get_scale(), scaler.stats()["skipped_steps"])
-
-    args = TrainingArguments(
-        output_dir=str(tmp_path / "out"), fp16=True, use_cpu=True, optim="adamw_torch_fused", learning_rate=1e-3,
-        max_steps=12, per_device_train_batch_size=2, max_grad_norm=1.0, logging_steps=1, report_to=[],
-        logging_nan_inf_filter=False, save_strategy="steps", save_steps=12, disable_tqdm=True, seed=0,
-        dataloader_num_workers=0,
-    )  # fmt: skip
-    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[Recorder(), ScaleLogCallback()])
-    trainer.accelerator.native_amp = True
-    trainer.accelerator.scaler = scaler
-    trainer.train()
+    trainer, expected = train_with_scale_log(tmp_path, data, logging_steps=1, logging_nan_inf_filter=False)
     training_logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert [entry["step"] for entry in training_logs] == list(range(1, 13))
     nan_logs = [entry["step"] for entry in training_logs if math.isnan(entry["loss"])]
