@@ -16,14 +16,16 @@ So each public method of ``GradScaler`` is marked with one decision, here:
   step with the same compiled kernels).
 
 Unmarked methods (``get_growth_factor``, ``is_enabled``, ...) read settings only and are traced.
-``torch.compiler.disable`` imports ``torch._dynamo`` (over a second), so ``prepare`` applies the marks
-when the first scaler is made, before any step can be traced, not when ``gradscaler`` is imported.
+``torch.compiler.disable`` imports ``torch._dynamo`` (over a second), so ``prepare`` applies the marks,
+wherever in the package they sit, when the first scaler is made, before any step can be traced, not
+when ``gradscaler`` is imported.
 Called eagerly, a marked method costs under a microsecond more. docs/migration.md ("torch.compile")
 lists the breaks and their reasons.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -34,36 +36,42 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 REASON = "gradscaler's bookkeeping runs eagerly in compiled code, as torch's GradScaler does (docs/migration.md)"
 _MARK = "_gradscaler_compile"
-_prepared: set[Any] = set()
+_unapplied: list[Callable[..., Any]] = []  # marked functions not yet replaced where they are defined
 _lock = threading.Lock()
+
+
+def _marked(method: F, how: str) -> F:
+    if "<locals>" in method.__qualname__:
+        raise ValueError(f"{method.__qualname__}: only a module's functions and its classes' methods can be marked")
+    setattr(method, _MARK, how)
+    _unapplied.append(method)
+    return method
 
 
 def eager(method: F) -> F:
     """Mark ``method`` to run eagerly, with everything it calls, when called from traced code."""
-    setattr(method, _MARK, "eager")
-    return method
+    return _marked(method, "eager")
 
 
 def eager_frame(method: F) -> F:
     """Mark ``method``'s own frame to run eagerly; the frames it calls are Dynamo's as usual."""
-    setattr(method, _MARK, "frame")
-    return method
+    return _marked(method, "frame")
 
 
-def prepare(*owners: Any) -> None:
-    """Apply the marks of the functions each class or module defines, once per process. Without Dynamo
-    (a Python that ``torch._dynamo`` refuses) nothing can be traced, and they stay as they are."""
+def prepare() -> None:
+    """Replace every marked function not yet replaced, in the module or class that defines it (found
+    from its ``__module__`` and ``__qualname__``), by its ``torch.compiler.disable`` wrapper. Without
+    Dynamo (a Python that ``torch._dynamo`` refuses) nothing can be traced, and they stay as they are."""
     with _lock:
-        for owner in owners:
-            if owner in _prepared:
-                continue
-            for name, method in list(vars(owner).items()):
-                mark = getattr(method, _MARK, None)
-                if mark is None:
-                    continue
-                try:
-                    wrapped = torch.compiler.disable(method, recursive=mark == "eager", reason=REASON)
-                except Exception:  # torch._dynamo failed to import: nothing compiles in this process
-                    return
-                setattr(owner, name, wrapped)
-            _prepared.add(owner)
+        while _unapplied:
+            method = _unapplied[-1]
+            owner: Any = sys.modules[method.__module__]
+            *path, name = method.__qualname__.split(".")
+            for part in path:
+                owner = getattr(owner, part)
+            try:
+                wrapped = torch.compiler.disable(method, recursive=getattr(method, _MARK) == "eager", reason=REASON)
+            except Exception:  # torch._dynamo failed to import: nothing compiles in this process
+                return
+            setattr(owner, name, wrapped)
+            _unapplied.pop()

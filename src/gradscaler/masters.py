@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from gradscaler import grads, masters_wrappers
+from gradscaler import grads
 from gradscaler import masters_checkpoint as checkpoint
 from gradscaler.kernels import GradStats, grad_stats, move_grads_, moved
 from gradscaler.masters_checkpoint import SAVED_KEY
@@ -65,8 +65,6 @@ from gradscaler.masters_wrappers import AddParamGroupChecked, ZeroGradBoth, rout
 # Reached through ``gradscaler.masters`` (docs/migration.md names ``gradscaler.masters.clip_grad_norm_``).
 from gradscaler.masters_wrappers import clip_grad_norm_ as clip_grad_norm_
 from gradscaler.masters_wrappers import torch_clip_grad_norm_ as torch_clip_grad_norm_
-
-COMPILE_MARKED = (masters_wrappers, ZeroGradBoth)  # where ``compiled.eager`` marks sit, for ``compiled.prepare``
 
 
 @dataclass

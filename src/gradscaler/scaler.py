@@ -166,7 +166,7 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
     ) -> None:
         self._device = device
         self._enabled = enabled
-        compiled.prepare(GradScaler, *masters.COMPILE_MARKED)  # the marks, before any step is traced
+        compiled.prepare()  # the marks, before any step is traced
         if self._device == "cuda" and enabled and not torch.cuda.is_available():
             warnings.warn(_NO_CUDA_MESSAGE, stacklevel=2)
             self._enabled = False

@@ -31,7 +31,8 @@ def _modes(device: torch.device) -> list[tuple[str, dict[str, Any]]]:
 
 
 def compile_section(device: torch.device, steps: int, warmup: int, width: int = 512) -> list[dict[str, Any]]:
-    """One row per (shape, mode): both scalers' median step time, their ratio, bits and recompiles."""
+    """One row per (shape, mode): both scalers' median step time, their ratio, and whether their
+    states match bit for bit."""
     timed = timer(device)
     rows = []
     batches = inputs(warmup + steps, width=width, batch=64, device=device.type)
