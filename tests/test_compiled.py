@@ -72,7 +72,7 @@ def test_no_graph_break_inside_the_package(shape: Shape) -> None:
         counted[ours] = breaks(build(shape, ours), inputs(2))
     finding_masters = 1 if shape.masters and shape.clip == "unscale" else 0
     inside = [b for b in counted[True] if b.in_library]
-    where = "masters_wrappers.py"  # stand_ins, the one eager call inside the library
+    where = "masters/wrappers.py"  # stand_ins, the one eager call inside the library
     assert all(b.on_purpose and where in b.where for b in inside) and len(inside) == finding_masters, inside
     assert len(counted[True]) <= len(counted[False]) + finding_masters, (counted[True], counted[False])
     theirs = {b.reason for b in counted[False]}

@@ -1,13 +1,16 @@
 """The layering of the package, read from the source: imports only go down, and only scaler.py owns state.
 
-Layers, lowest first, are in ``LAYERS`` (docs/architecture.md draws them). A module may import only
-from strictly lower layers, at module top (the optional Triton import in ``kernels/`` and the tools'
-lazy imports aside); the tools and the integrations may also import the package's public face.
+The package's units, lowest first, are in ``LAYERS`` (docs/architecture.md draws them): its modules and
+its four packages (``kernels``, ``masters``, ``record``, ``tools``). A unit may import only from strictly
+lower layers, at module top (the optional Triton import in ``kernels/`` and the tools' lazy imports
+aside); the tools and the integrations may also import the package's public face. Inside ``masters`` and
+``record`` the files have layers of their own (``INSIDE``, which each package's ``__init__`` docstring
+lists in the same order): a file imports only files below it, and its package's ``__init__`` never.
 Imports in a top-level ``if TYPE_CHECKING:`` block count as module-top imports: ``__init__`` spells its
 imports there and loads the same names at run time from ``_FACE`` on first use (so that the command
 line's help needs no torch); ``test_the_lazy_face_loads_what_the_layering_checks`` holds the two equal.
-Within a layer (the files of ``tools/`` or ``kernels/``) no file imports itself back through others:
-``import_cycles`` follows every import of every file, lazy ones included.
+No file imports itself back through others: ``import_cycles`` follows every import of every file, lazy
+ones included.
 """
 
 from __future__ import annotations
@@ -23,40 +26,52 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "gradscaler"
 LAYERS: dict[str, int] = {
     "errors": 0,
     "rule": 0,
-    "telemetry": 0,
     "distributed": 0,
     "kernels": 0,
     "stale": 0,
     "compiled": 0,
-    "masters_checks": 0,
-    "masters_checkpoint": 0,
     "grads": 1,
-    "logsummary": 1,
-    "masters_wrappers": 1,
-    "masters_pairs": 1,
-    "scalerlog": 2,
+    "record": 2,
+    "masters": 2,
     "fused": 2,
     "clipping": 2,
-    "monitor": 2,
-    "checkpoint": 2,
-    "diagnosis": 2,
-    "masters": 2,
     "torch_surface": 2,
-    "scaler": 3,
-    "drop_in": 4,
-    "frameworks": 4,
-    "reporting": 4,
-    "__init__": 5,
-    "tools": 6,
-    "__main__": 7,
+    "checkpoint": 3,
+    "scaler": 4,
+    "drop_in": 5,
+    "frameworks": 5,
+    "__init__": 6,
+    "tools": 7,
+    "__main__": 8,
 }
+INSIDE: dict[str, dict[str, int]] = {
+    "masters": {"checks": 0, "checkpoint": 0, "pairs": 1, "wrappers": 1, "lifecycle": 2, "__init__": 3},
+    "record": {
+        "telemetry": 0,
+        "logsummary": 1,
+        "monitor": 1,
+        "scalerlog": 2,
+        "diagnosis": 2,
+        "reporting": 3,
+        "__init__": 4,
+    },
+}
+LAZY_ALLOWED = ("tools", "kernels")
 PRIVATE_ACCESS = re.compile(r"\bscaler\._[A-Za-z]")
 
 
-def module_name(path: Path, root: Path) -> str:
-    """``kernels/torch_stats.py`` -> ``kernels``; ``rule.py`` -> ``rule``."""
-    relative = path.relative_to(root)
-    return relative.parts[0] if len(relative.parts) > 1 else relative.stem
+def module_path(path: Path, root: Path) -> str:
+    """``masters/checks.py`` -> ``masters.checks``; ``masters/__init__.py`` -> ``masters``; ``rule.py`` -> ``rule``."""
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if len(parts) > 1 and parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def unit_and_file(module: str) -> tuple[str, str]:
+    """``masters.checks`` -> (``masters``, ``checks``); ``masters`` -> (``masters``, ``__init__``)."""
+    unit, _, rest = module.partition(".")
+    return unit, rest.split(".")[0] if rest else "__init__"
 
 
 def type_checking_block(node: ast.stmt) -> bool:
@@ -71,41 +86,68 @@ def module_top(tree: ast.AST) -> list[ast.stmt]:
     return [*tree.body, *(inner for node in tree.body if type_checking_block(node) for inner in node.body)]
 
 
-def imported_modules(tree: ast.AST) -> list[tuple[str, int, bool]]:
-    """(top-level gradscaler module, line, at module top) for every import of gradscaler."""
+def imported_modules(tree: ast.AST, modules: set[str]) -> list[tuple[str, int, bool]]:
+    """(module of the package, as ``module_path`` names it, line, at module top) for every import of
+    gradscaler; ``from gradscaler.masters import checkpoint`` is an import of ``masters.checkpoint``."""
     found: list[tuple[str, int, bool]] = []
     top = {id(node) for node in module_top(tree)}
     for node in ast.walk(tree):
         names: list[str] = []
         if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "gradscaler":
-            parts = node.module.split(".")
-            names = [parts[1]] if len(parts) > 1 else [alias.name for alias in node.names]
+            base = node.module.split(".")[1:]
+            for alias in node.names:
+                joined = ".".join([*base, alias.name])
+                names.append(joined if joined in modules else ".".join(base))
         elif isinstance(node, ast.Import):
-            names = [a.name.split(".")[1] for a in node.names if a.name.startswith("gradscaler.")]
-        found.extend((name, node.lineno, id(node) in top) for name in names)
+            names = [a.name.partition(".")[2] for a in node.names if a.name.startswith("gradscaler.")]
+        found.extend((name, node.lineno, id(node) in top) for name in names if name in modules)
     return found
 
 
 def layering_violations(root: Path) -> list[str]:
     problems = []
-    for path in sorted(root.rglob("*.py")):
-        own = module_name(path, root)
-        if own not in LAYERS:
-            problems.append(f"{path.name}: module {own!r} has no layer in tests/test_layers.py")
+    files = sorted(root.rglob("*.py"))
+    modules = {module_path(path, root) for path in files}
+    for path in files:
+        own = module_path(path, root)
+        own_unit, own_file = unit_and_file(own)
+        if own_unit not in LAYERS:
+            problems.append(f"{path.name}: unit {own_unit!r} has no layer in tests/test_layers.py")
             continue
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-        for target, line, at_top in imported_modules(tree):
-            if target == own or target not in LAYERS:
+        inside = INSIDE.get(own_unit, {})
+        if inside and own_file not in inside:
+            problems.append(f"{path.name}: {own} has no layer in INSIDE[{own_unit!r}]")
+            continue
+        where = f"{path.relative_to(root)}"
+        for target, line, at_top in imported_modules(ast.parse(path.read_text(encoding="utf-8")), modules):
+            unit, file = unit_and_file(target)
+            if target == own or unit not in LAYERS:
                 continue
-            if LAYERS[target] >= LAYERS[own]:
-                problems.append(f"{path.relative_to(root)}:{line}: {own} (layer {LAYERS[own]}) imports {target}")
-            if not at_top and own not in ("tools", "kernels"):
-                problems.append(f"{path.relative_to(root)}:{line}: function-level import of {target}")
+            if unit != own_unit and LAYERS[unit] >= LAYERS[own_unit]:
+                problems.append(f"{where}:{line}: {own_unit} (layer {LAYERS[own_unit]}) imports {unit}")
+            if unit == own_unit and inside and inside.get(file, len(inside)) >= inside[own_file]:
+                problems.append(f"{where}:{line}: {own} (layer {inside[own_file]} in {unit}) imports {target}")
+            if not at_top and own_unit not in LAZY_ALLOWED:
+                problems.append(f"{where}:{line}: function-level import of {target}")
         if own != "scaler":
             for number, text in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
                 if PRIVATE_ACCESS.search(text):
-                    problems.append(f"{path.relative_to(root)}:{number}: touches a scaler private: {text.strip()}")
+                    problems.append(f"{where}:{number}: touches a scaler private: {text.strip()}")
     return problems
+
+
+def test_every_package_has_its_map_in_its_docstring() -> None:
+    """Each package's ``__init__`` docstring names its files in ``INSIDE``'s order, lowest first."""
+    for package, inside in INSIDE.items():
+        doc = ast.get_docstring(ast.parse((SRC / package / "__init__.py").read_text(encoding="utf-8"))) or ""
+        files = sorted((name for name in inside if name != "__init__"), key=inside.__getitem__)
+        on_disk = {path.stem for path in (SRC / package).glob("*.py")} - {"__init__"}
+        assert set(files) == on_disk, package
+        positions = [doc.find(f"``{name}``") for name in files]
+        assert -1 not in positions, (package, files, positions)
+        assert [inside[name] for name in sorted(files, key=lambda n: doc.find(f"``{n}``"))] == sorted(
+            inside[name] for name in files
+        ), package
 
 
 def test_imports_only_go_down_and_only_scaler_touches_its_privates() -> None:
@@ -203,14 +245,26 @@ def package_with(tmp_path: Path, module: str, line: str) -> Path:
     ("module", "line", "expected"),
     [
         ("clipping.py", "from gradscaler.scaler import GradScaler", "clipping (layer 2) imports scaler"),
-        ("monitor.py", "def f(scaler):\n    return scaler._scale", "touches a scaler private"),
+        ("record/monitor.py", "def f(scaler):\n    return scaler._scale", "touches a scaler private"),
         ("grads.py", "def f():\n    from gradscaler import rule", "function-level import of rule"),
+        ("record/telemetry.py", "from gradscaler.scaler import GradScaler", "record (layer 2) imports scaler"),
+        ("masters/wrappers.py", "from gradscaler import record", "masters (layer 2) imports record"),
         (
-            "masters_checks.py",
-            "from gradscaler.masters import MasterWeights",
-            "masters_checks (layer 0) imports masters",
+            "masters/checks.py",
+            "from gradscaler.masters.lifecycle import MasterWeights",
+            "masters.checks (layer 0 in masters) imports masters.lifecycle",
         ),
-        ("masters_pairs.py", "from gradscaler import masters", "masters_pairs (layer 1) imports masters"),
+        (
+            "masters/pairs.py",
+            "from gradscaler.masters import Moved",
+            "masters.pairs (layer 1 in masters) imports masters",
+        ),
+        (
+            "record/telemetry.py",
+            "from gradscaler.record import monitor",
+            "record.telemetry (layer 0 in record) imports record.monitor",
+        ),
+        ("record/logsummary.py", "def f():\n    import gradscaler.record.telemetry", "function-level import"),
     ],
 )
 def test_the_check_fails_when_a_violation_is_reintroduced(
@@ -233,9 +287,14 @@ def test_the_check_fails_when_a_violation_is_reintroduced(
             "from gradscaler.tools import demo",
             ["gradscaler.tools.demo", "gradscaler.tools.toy_model", "gradscaler.tools.demo"],
         ),
+        (
+            "masters/checkpoint.py",
+            "def f():\n    from gradscaler.masters import pairs",
+            ["gradscaler.masters.checkpoint", "gradscaler.masters.pairs", "gradscaler.masters.checkpoint"],
+        ),
         ("rule.py", "import gradscaler.errors", []),
     ],
-    ids=["lazy-import-in-tools", "from-package-import-module", "no-circle"],
+    ids=["lazy-import-in-tools", "from-package-import-module", "lazy-import-in-masters", "no-circle"],
 )
 def test_the_circle_check_fails_when_a_circle_is_reintroduced(
     tmp_path: Path, module: str, line: str, expected: list[str]

@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from gradscaler import GradScaler
-from gradscaler.masters_checkpoint import SAVED_KEY, ContinuedWarning
+from gradscaler.masters.checkpoint import SAVED_KEY, ContinuedWarning
 from recipe import (
     OPTIMIZERS,
     MakeOptimizer,

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from gradscaler import GradScaler, clipping, grads, masters
+from gradscaler import GradScaler, clipping, grads
+from gradscaler.masters import lifecycle
 from test_masters import (
     INIT_SCALE,
     OPTIMIZERS,
@@ -36,7 +37,7 @@ class PassLog:
         self.moves: list[tuple[int, float | None]] = []  # (tensors moved, norm_type) per call
         self.reads: list[torch.Tensor] = []
         self.multiplied: list[torch.Tensor] = []
-        real_move, real_read, real_scale = masters.move_grads_, grads.grad_stats, clipping.scale_grads_
+        real_move, real_read, real_scale = lifecycle.move_grads_, grads.grad_stats, clipping.scale_grads_
 
         def move(src: list[torch.Tensor], dst: list[torch.Tensor], *args: Any) -> Any:
             self.moves.append((len(src), args[1] if len(args) > 1 else None))
@@ -50,7 +51,7 @@ class PassLog:
             self.multiplied.extend(t for by_dtype in groups.values() for ts in by_dtype.values() for t in ts)
             real_scale(groups, factor)
 
-        monkeypatch.setattr(masters, "move_grads_", move)
+        monkeypatch.setattr(lifecycle, "move_grads_", move)
         monkeypatch.setattr(grads, "grad_stats", read)
         monkeypatch.setattr(clipping, "scale_grads_", scale)
 

@@ -1,4 +1,4 @@
-"""monitor.py on its own: loggers, collapse detection and attribution from values, no GradScaler."""
+"""record/monitor.py on its own: loggers, collapse detection and attribution from values, no GradScaler."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from gradscaler.errors import ScaleCollapseError, ScaleCollapseWarning
-from gradscaler.monitor import JsonLinesLogger, Monitor
+from gradscaler.record.monitor import JsonLinesLogger, Monitor
+from gradscaler.record.telemetry import Landed
 from gradscaler.rule import ScaleRule
-from gradscaler.telemetry import Landed
 
 RULE = ScaleRule()
 

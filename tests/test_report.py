@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 import gradscaler
-from gradscaler import diagnosis, reporting, scalerlog
-from gradscaler.diagnosis import describe
-from gradscaler.scalerlog import LogError, summarise
+from gradscaler.record import diagnosis, reporting, scalerlog
+from gradscaler.record.diagnosis import describe
+from gradscaler.record.scalerlog import LogError, summarise
 from gradscaler.tools import cli
 from synthetic_log import lines, records
 

@@ -21,9 +21,9 @@ import torch
 from torch import nn
 
 import gradscaler
-from gradscaler import reporting, scalerlog
-from gradscaler.diagnosis import describe
-from gradscaler.scalerlog import LogError, summarise, summarise_file
+from gradscaler.record import reporting, scalerlog
+from gradscaler.record.diagnosis import describe
+from gradscaler.record.scalerlog import LogError, summarise, summarise_file
 from synthetic_log import lines, records
 
 ROOT = Path(__file__).resolve().parents[1]

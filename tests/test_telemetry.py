@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from gradscaler import GradScaler, JsonLinesLogger
-from gradscaler.telemetry import COUNTERS, IN_FLIGHT, SATURATE, make_telemetry
+from gradscaler.record.telemetry import COUNTERS, IN_FLIGHT, SATURATE, make_telemetry
 
 
 def steps(scaler: GradScaler, flags: list[bool], fused: bool = False) -> tuple[torch.optim.Optimizer, list[bool]]:

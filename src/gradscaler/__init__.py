@@ -15,22 +15,22 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # what type checkers and readers see; ``_FACE`` says the same to ``__getattr__``
     from gradscaler.drop_in import is_torch_patched, patch_torch, unpatch_torch
     from gradscaler.errors import ScaleCollapseError, ScaleCollapseWarning
-    from gradscaler.monitor import JsonLinesLogger, TensorBoardLogger
-    from gradscaler.reporting import report
+    from gradscaler.record.monitor import JsonLinesLogger, TensorBoardLogger
+    from gradscaler.record.reporting import report
     from gradscaler.scaler import GradScaler, OptState
 
 __version__ = "0.1.0"
 
 _FACE = {
     "GradScaler": "gradscaler.scaler",
-    "JsonLinesLogger": "gradscaler.monitor",
+    "JsonLinesLogger": "gradscaler.record.monitor",
     "OptState": "gradscaler.scaler",
     "ScaleCollapseError": "gradscaler.errors",
     "ScaleCollapseWarning": "gradscaler.errors",
-    "TensorBoardLogger": "gradscaler.monitor",
+    "TensorBoardLogger": "gradscaler.record.monitor",
     "is_torch_patched": "gradscaler.drop_in",
     "patch_torch": "gradscaler.drop_in",
-    "report": "gradscaler.reporting",
+    "report": "gradscaler.record.reporting",
     "unpatch_torch": "gradscaler.drop_in",
 }
 """Each public name and the module that defines it (tests/test_layers.py holds it equal to the block above)."""

@@ -12,8 +12,8 @@ import math
 from typing import Any, NamedTuple
 
 from gradscaler import rule
+from gradscaler.record.telemetry import COUNTERS, SATURATE
 from gradscaler.rule import ScaleRule
-from gradscaler.telemetry import COUNTERS, SATURATE
 
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 EXTENSION_KEYS = (

@@ -1,4 +1,5 @@
-"""The fused-optimizer protocol: how a scaler hands ``grad_scale`` and ``found_inf`` to an optimizer.
+"""The fused-optimizer protocol: how a scaler hands ``grad_scale`` and ``found_inf`` to an optimizer;
+and ``Step``, one ``scaler.step`` between its two halves, for every optimizer.
 
 An optimizer with ``_step_supports_amp_scaling = True`` (torch's Adam, AdamW, SGD and Adagrad with
 ``fused=True``) divides gradients by ``optimizer.grad_scale`` inside its own kernel and skips the update
@@ -11,6 +12,7 @@ from __future__ import annotations
 import inspect
 import operator
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -83,3 +85,74 @@ def forget_new_state(optimizer: torch.optim.Optimizer, fresh: list[torch.Tensor]
     """
     for param in fresh:
         optimizer.state.pop(param, None)
+
+
+class Step:
+    """One ``step`` of one optimizer, between its two halves: the call to make (``fn(*args, **kwargs)``,
+    none when skipped) and its ``result``, and what ``_end_step`` needs.
+
+    ``record``: the scaler's record of the optimizer this iteration, None for a disabled scaler.
+    ``stepped``: whether the masters copy back (True for a call made, a fused optimizer's included;
+    None: the subclass's ``_maybe_opt_step`` decided, read from the flag afterwards). ``fresh``: the
+    parameters a fused optimizer's first step gives state to; ``handed_over``: ``grad_scale`` and
+    ``found_inf`` set on the optimizer for its kernel (``hand_over``, ``take_back``).
+    """
+
+    __slots__ = ("args", "fn", "fresh", "handed_over", "kwargs", "optimizer", "record", "result", "stepped")
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        record: Any,
+        fn: Callable[..., Any] | None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        stepped: bool | None = True,
+    ) -> None:
+        self.fn = fn
+        self.args = args
+        self.kwargs = {} if kwargs is None else kwargs
+        self.result: Any = None
+        self.optimizer = optimizer
+        self.record = record
+        self.stepped = stepped
+        self.fresh: list[torch.Tensor] = []
+        self.handed_over = False
+
+
+def grad_scale_for(
+    optimizer: torch.optim.Optimizer, clipped: torch.Tensor | None, unscaled: bool, scale: torch.Tensor | None
+) -> torch.Tensor | None:
+    """The ``grad_scale`` a fused optimizer's kernel divides by: ``clipped`` (the scale over the clipping
+    coefficient) when clipping set one; after ``unscale_`` (``unscaled``) the optimizer's own, if any;
+    else the scale, times a multiplier the user set as ``optimizer.grad_scale`` (torch honours it)."""
+    if clipped is not None:
+        return clipped
+    theirs = getattr(optimizer, "grad_scale", None)
+    if unscaled:
+        return theirs
+    assert scale is not None
+    return scale if theirs is None else scale * theirs
+
+
+def hand_over(step: Step, params: list[torch.Tensor], grad_scale: torch.Tensor | None, found_inf: torch.Tensor) -> None:
+    """Set ``grad_scale`` and ``found_inf`` on ``step``'s optimizer for its kernel, and note the
+    parameters (of ``params``, the optimizer's) whose first state this step creates (``take_back``)."""
+    optimizer = step.optimizer
+    if has_fresh_state(optimizer, params):
+        step.fresh = params_without_state(optimizer)
+    optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
+    optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+    step.handed_over = True
+
+
+def take_back(step: Step, found_inf: torch.Tensor) -> None:
+    """After the fused step (also one that raised after its kernel ran): remove what ``hand_over`` set,
+    and drop the state a skipped first step created (one host read, on a parameter's first step only)."""
+    if not step.handed_over:
+        return
+    optimizer = step.optimizer
+    del optimizer.grad_scale  # type: ignore[attr-defined]
+    del optimizer.found_inf  # type: ignore[attr-defined]
+    if step.fresh and found_inf.item():
+        forget_new_state(optimizer, step.fresh)

@@ -23,6 +23,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from gradscaler import distributed
 from gradscaler.distributed import Agreement
 from gradscaler.kernels import grad_stats, host_reads_free, moved
 
@@ -65,7 +66,7 @@ class ParamList:
     ``params`` holds the same tensors, compared by identity (one C-level pass): a group added, a
     parameter added, removed or replaced, or another optimizer at the same ``id`` rebuilds it.
     Gradients are never cached: ``group_grads`` reads every ``.grad`` afresh. ``agreement`` holds
-    what the caller resolved from the parameters (``distributed.resolve``); a rebuild drops it.
+    what ``agreed`` resolved from the parameters; a rebuild drops it.
     """
 
     def __init__(self) -> None:
@@ -85,6 +86,14 @@ class ParamList:
             self._params = [p for params in self._groups for p in params]
             self.agreement = None
         return self._params
+
+    def agreed(self, process_group: Any) -> Agreement:
+        """The collectives over which these parameters' flag and norms agree (``distributed.resolve``),
+        resolved from the parameters ``of`` last returned, never from gradients, which differ between
+        ranks; kept until the parameters or ``process_group`` change."""
+        if self.agreement is None or self.agreement.explicit is not process_group:
+            self.agreement = distributed.resolve(self._params, process_group)
+        return self.agreement
 
 
 V = TypeVar("V")
@@ -248,6 +257,12 @@ def merge_flags(*parts: dict[torch.device, torch.Tensor]) -> dict[torch.device, 
         for device, flag in part.items():
             by_device.setdefault(device, []).append(flag)
     return {device: combine_flags(flags) for device, flags in by_device.items()}
+
+
+def flag_on(per_device: dict[torch.device, torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The per-device flags combined into one on ``device`` (a zero flag when there are none)."""
+    flags = [flag.to(device, non_blocking=True) for flag in per_device.values()]
+    return combine_flags(flags) if flags else torch.zeros((), dtype=torch.float32, device=device)
 
 
 def combine_flags(flags: list[torch.Tensor]) -> torch.Tensor:

@@ -185,14 +185,34 @@ def _float32_toward(value: float, direction: int) -> float:
     return rounded
 
 
-def set_scale_(scale: torch.Tensor, new_scale: Any, rule: ScaleRule, on_host: bool) -> None:
+def inverse_scale(scale: torch.Tensor, on_host: bool) -> torch.Tensor:
+    """``1/S`` as torch computes it (a float64 reciprocal rounded to float32), on the scale's device;
+    ``on_host``: the scale reads for free, so the same two roundings are done in Python (one op, not three)."""
+    if on_host:
+        return torch.scalar_tensor(1.0 / scale.item(), dtype=torch.float32, device=scale.device)
+    return scale.double().reciprocal().float()
+
+
+NEW_SCALE_REASON = (
+    "new_scale should be a float or a 1-element torch.cuda.FloatTensor or torch.FloatTensor with requires_grad=False."
+)
+
+
+def set_scale_(
+    scale: torch.Tensor, new_scale: Any, rule: ScaleRule, on_host: bool, device_type: str | None = None
+) -> None:
     """Set ``scale`` in place to ``new_scale`` (a number, or a 1-element tensor), moved into the bounds.
 
-    NaN, inf, values <= 0 and values past float32's largest (a float64 1e300: finite, but no float32
-    holds it) raise ``ValueError`` and change nothing; except a tensor when reading it would cost a
-    host sync (``on_host`` False: the scale on a GPU), which leaves the scale as it was.
+    A tensor must be one element on ``device_type`` (default: the scale's) without ``requires_grad``
+    (torch's ``AssertionError``, verbatim). NaN, inf, values <= 0 and values past float32's largest (a
+    float64 1e300: finite, but no float32 holds it) raise ``ValueError`` and change nothing; except a
+    tensor when reading it would cost a host sync (``on_host`` False: the scale on a GPU), which leaves
+    the scale as it was.
     """
     if isinstance(new_scale, torch.Tensor):
+        wrong_device = new_scale.device.type != (device_type or scale.device.type)
+        if wrong_device or new_scale.numel() != 1 or new_scale.requires_grad:
+            raise AssertionError(NEW_SCALE_REASON)
         value = new_scale.detach().reshape(())
         if on_host:  # reading it is free: refused as a float would be
             scale.fill_(_storable_scale(new_scale, value.item()))

@@ -17,17 +17,14 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from gradscaler import checkpoint, clipping, compiled, distributed, fused, grads, kernels, masters, rule, stale
-from gradscaler.monitor import Monitor
-from gradscaler.telemetry import COUNTERS, Keeper, make_telemetry
+from gradscaler.record.monitor import Monitor
+from gradscaler.record.telemetry import COUNTERS, Keeper, make_telemetry
 from gradscaler.torch_surface import TorchSurface
 
 _CLOSURE_MESSAGE = "Closure use is not currently supported if GradScaler is enabled."
 _NO_CUDA_MESSAGE = (
     "gradscaler.GradScaler(device='cuda') is enabled, but CUDA is not available.  Disabling: scale() returns "
     "its input unchanged and step() calls optimizer.step() as it is. Pass device='cpu' to scale on the CPU."
-)
-_NEW_SCALE_REASON = (
-    "new_scale should be a float or a 1-element torch.cuda.FloatTensor or torch.FloatTensor with requires_grad=False."
 )
 _PICKLE_MESSAGE = (
     "A GradScaler instance may only be pickled at the beginning of an iteration, or at the end after scaler.update()."
@@ -54,38 +51,6 @@ class OptimizerRecord(TypedDict, total=False):
 
 def _refresh_per_optimizer_state() -> OptimizerRecord:
     return {"stage": OptState.READY, "found_inf_per_device": {}}
-
-
-class Step:
-    """One ``step`` of one optimizer, between its two halves: the call to make (``fn(*args, **kwargs)``,
-    none when skipped) and its ``result``, and what ``_end_step`` needs.
-
-    ``record`` is None for a disabled scaler. ``stepped``: whether the masters copy back (True for a
-    call made, a fused optimizer's included; None: the subclass's ``_maybe_opt_step`` decided, read
-    from the flag afterwards). ``fresh``: the parameters a fused optimizer's first step gives state
-    to; ``handed_over``: ``grad_scale`` and ``found_inf`` set on the optimizer for its kernel.
-    """
-
-    __slots__ = ("args", "fn", "fresh", "handed_over", "kwargs", "optimizer", "record", "result", "stepped")
-
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        record: OptimizerRecord | None,
-        fn: Callable[..., Any] | None,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-        stepped: bool | None = True,
-    ) -> None:
-        self.fn = fn
-        self.args = args
-        self.kwargs = {} if kwargs is None else kwargs
-        self.result: Any = None
-        self.optimizer = optimizer
-        self.record = record
-        self.stepped = stepped
-        self.fresh: list[torch.Tensor] = []
-        self.handed_over = False
 
 
 class GradScaler(TorchSurface, torch.amp.GradScaler):
@@ -255,8 +220,8 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         self._check_scale_growth_tracker("unscale_")
         record = self._record(optimizer)
         self._check_stage(record, "unscale_()")
-        params = self._params(optimizer)
-        agreement = self._agreement(optimizer, params)  # before any gradient is touched: a refusal changes nothing
+        self._params(optimizer)  # cached, and the agreement resolved from them
+        agreement = self._agreement(optimizer)  # before any gradient is touched: a refusal changes nothing
         inv_scale = self._inv_scale()  # the masters' gradients: moved, checked (and unscaled) in one pass
         keep = not self._in_step  # the user's own call: the model's gradients show unscaled values until step
         moved = self._masters.move(optimizer, None if self._custom_unscale else inv_scale, keep=keep)
@@ -297,12 +262,12 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         unscaled = record["stage"] is OptState.UNSCALED
         hand_off = fused.supports_amp_scaling(optimizer) and not fused.takes_grad_scaler_kwarg(optimizer)
         params = self._params(optimizer)
-        agreement = self._agreement(optimizer, params)
+        agreement = self._agreement(optimizer)
         inv_scale = None if unscaled else self._inv_scale()
         moved = self._masters.move(optimizer, None, norm_type, inv_scale)  # moved, checked and normed in one pass
         if self._masters.active:
             params = self._params(optimizer)  # the masters in their parameters' places, bound at the first step
-            agreement = self._agreement(optimizer, params)  # so the masters' norms count in their shard class
+            agreement = self._agreement(optimizer)  # so the masters' norms count in their shard class
         owners = grads.new_groups()
         groups = grads.group_grads(moved.rest(params), allow_fp16=hand_off and not unscaled, owners=owners)
         norms, flags = grads.norms_and_check(groups, norm_type, inv_scale)  # norms of the unscaled gradients
@@ -345,12 +310,14 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         return self._end_step(step, completed=True)
 
     @compiled.eager
-    def _begin_step(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Step:
+    def _begin_step(
+        self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> fused.Step:
         """Everything before ``optimizer.step``: the checks, unscaling (or the fused check), the masters'
         ``before_step``; returns the call to make, none when the step is skipped."""
         if not self._enabled:
             self._masters.refuse_disabled(optimizer)
-            return Step(optimizer, None, optimizer.step, args, kwargs)
+            return fused.Step(optimizer, None, optimizer.step, args, kwargs)
         if "closure" in kwargs or (args and callable(args[0])):
             raise RuntimeError(_CLOSURE_MESSAGE)
         self._check_scale_growth_tracker("step")
@@ -368,10 +335,10 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
                 self._in_step = False
         self._masters.before_step(optimizer)
         if self._custom_opt_step:  # the subclass's hook decides; the masters copy back after a real step
-            return Step(optimizer, record, self._maybe_opt_step, (target, record, *args), kwargs, stepped=None)
+            return fused.Step(optimizer, record, self._maybe_opt_step, (target, record, *args), kwargs, stepped=None)
         if record["found_inf"].item():
-            return Step(optimizer, record, None, stepped=False)
-        return Step(optimizer, record, target.step, args, kwargs)
+            return fused.Step(optimizer, record, None, stepped=False)
+        return fused.Step(optimizer, record, target.step, args, kwargs)
 
     def _begin_fused_step(
         self,
@@ -380,48 +347,32 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         record: OptimizerRecord,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-    ) -> Step:
+    ) -> fused.Step:
         """A fused optimizer always steps: it gets ``grad_scale`` and ``found_inf`` and skips inside its
         kernel (its masters are then unchanged and copy back as they were)."""
         if fused.takes_grad_scaler_kwarg(optimizer):
             fused.warn_legacy_kwarg()
             self._masters.move(optimizer)
             self._masters.before_step(optimizer)
-            return Step(optimizer, record, target.step, args, {**kwargs, "grad_scaler": self})
+            return fused.Step(optimizer, record, target.step, args, {**kwargs, "grad_scaler": self})
         if record["stage"] is OptState.READY:
             self._check_inf_per_device(optimizer)
         self._masters.before_step(optimizer)
-        found_inf = record["found_inf"]
-        grad_scale: torch.Tensor | None
-        if "grad_scale" in record:
-            grad_scale = record["grad_scale"]
-        elif record["stage"] is OptState.UNSCALED:
-            grad_scale = getattr(optimizer, "grad_scale", None)
-        else:
-            assert self._scale is not None
-            theirs = getattr(optimizer, "grad_scale", None)  # a multiplier set by the user, as torch honours
-            grad_scale = self._scale if theirs is None else self._scale * theirs
-        step = Step(optimizer, record, target.step, args, kwargs)
-        if fused.has_fresh_state(optimizer, self._params(optimizer)):
-            step.fresh = fused.params_without_state(optimizer)
-        optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
-        optimizer.found_inf = found_inf  # type: ignore[attr-defined]
-        step.handed_over = True
+        unscaled = record["stage"] is OptState.UNSCALED
+        grad_scale = fused.grad_scale_for(optimizer, record.get("grad_scale"), unscaled, self._scale)
+        step = fused.Step(optimizer, record, target.step, args, kwargs)
+        fused.hand_over(step, self._params(optimizer), grad_scale, record["found_inf"])
         return step
 
     @compiled.eager
-    def _end_step(self, step: Step, completed: bool) -> Any:
+    def _end_step(self, step: fused.Step, completed: bool) -> Any:
         """After ``optimizer.step`` (or its skip): take back what a fused optimizer was handed (also when
         the step raised after its kernel ran: a step post-hook, a KeyboardInterrupt); after a completed
         step, copy the masters back and mark the optimizer stepped."""
         optimizer, record = step.optimizer, step.record
         if record is None:  # a disabled scaler: optimizer.step as it is
             return step.result
-        if step.handed_over:
-            del optimizer.grad_scale  # type: ignore[attr-defined]
-            del optimizer.found_inf  # type: ignore[attr-defined]
-            if step.fresh and record["found_inf"].item():  # the one host read, on a parameter's first step only
-                fused.forget_new_state(optimizer, step.fresh)
+        fused.take_back(step, record["found_inf"])
         if not completed:
             return None
         stepped = step.stepped
@@ -447,7 +398,7 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         scale, growth_tracker = self._check_scale_growth_tracker("update")
         self._masters.end_iteration()
         if new_scale is not None:
-            self._set_scale(scale, new_scale)
+            rule.set_scale_(scale, new_scale, self._rule, self._scale_on_host, self._device)
             self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
             return
         records = list(self._per_optimizer_states.values())
@@ -662,26 +613,14 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
             raise RuntimeError(f"{call} is being called after step().")
 
     def _inv_scale(self) -> torch.Tensor:
-        """``1/S`` as torch computes it (a float64 reciprocal rounded to float32), on the scale's device."""
         scale, _ = self._check_scale_growth_tracker("unscale_")
-        if self._scale_on_host:  # the same two roundings in Python: one op instead of three
-            return torch.scalar_tensor(1.0 / scale.item(), dtype=torch.float32, device=scale.device)
-        return scale.double().reciprocal().float()
+        return rule.inverse_scale(scale, self._scale_on_host)
 
-    def _set_scale(self, scale: torch.Tensor, new_scale: Any) -> None:
-        tensor = isinstance(new_scale, torch.Tensor)
-        if tensor and (new_scale.device.type != self._device or new_scale.numel() != 1 or new_scale.requires_grad):
-            raise AssertionError(_NEW_SCALE_REASON)
-        rule.set_scale_(scale, new_scale, self._rule, self._scale_on_host)
-
-    def _agreement(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> distributed.Agreement:
-        """The collectives over which ``optimizer``'s flag and norm agree, resolved from ``params``, its
-        parameters from ``_params`` (never from gradients, which differ between ranks); kept with them."""
+    def _agreement(self, optimizer: torch.optim.Optimizer) -> distributed.Agreement:
+        """The collectives over which ``optimizer``'s flag and norm agree (after ``_params(optimizer)``)."""
         cached = self._param_lists.get(optimizer)
         assert cached is not None, "_params(optimizer) comes first"
-        if cached.agreement is None or cached.agreement.explicit is not self._process_group:
-            cached.agreement = distributed.resolve(params, self._process_group)
-        return cached.agreement
+        return cached.agreed(self._process_group)
 
     def _params(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
         """``optimizer``'s parameters, cached between iterations (see ``grads.ParamList``)."""
@@ -699,8 +638,7 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
     ) -> torch.Tensor:
         """Store the per-device flags and their combination, agreed as ``agreement`` says (on the scale's device)."""
         scale, _ = self._check_scale_growth_tracker("step")
-        flags = [flag.to(scale.device, non_blocking=True) for flag in per_device.values()]
-        combined = grads.combine_flags(flags) if flags else torch.zeros((), dtype=torch.float32, device=scale.device)
+        combined = grads.flag_on(per_device, scale.device)
         distributed.agree_on_flag_(combined, agreement)
         record["found_inf_per_device"] = per_device
         record["found_inf"] = combined
@@ -743,8 +681,8 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:  # type: ignore[override]
         self._check_scale_growth_tracker("_check_inf_per_device")
         record = self._per_optimizer_states[id(optimizer)]
-        params = self._params(optimizer)
-        agreement = self._agreement(optimizer, params)
+        self._params(optimizer)  # cached, and the agreement resolved from them
+        agreement = self._agreement(optimizer)
         moved = self._masters.move(optimizer)  # the masters' flags come from the move
         if self._custom_unscale:  # torch's hook with inv_scale 1, as torch calls it: every gradient
             ones = torch.ones((), dtype=torch.float32, device=self._scale.device)  # type: ignore[union-attr]

@@ -183,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def report_command(log: str, out: str | None, rank: int | None = None, run: str | None = None) -> int:
     """``gradscaler report``: the text on stdout; a problem is one line on stderr naming the file at fault
     (the log, or the figure's file or folder) and exit status 1."""
-    from gradscaler.reporting import PLOT_HINT, figure_path
+    from gradscaler.record.reporting import PLOT_HINT, figure_path
 
     figure = None if out is None else figure_path(out)
     if out is not None and figure is not None:
@@ -192,8 +192,8 @@ def report_command(log: str, out: str | None, rank: int | None = None, run: str 
             print(f"gradscaler report: --out {out}: {problem}", file=sys.stderr)
             return 1
     import gradscaler
-    from gradscaler.reporting import draw
-    from gradscaler.scalerlog import LogError
+    from gradscaler.record.reporting import draw
+    from gradscaler.record.scalerlog import LogError
 
     try:
         result = gradscaler.report(log, None, progress=True, rank=rank, run=run)

@@ -27,9 +27,10 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from gradscaler import logsummary, rule
-from gradscaler.logsummary import BUCKETS, LogSummary, Writer, writer_name
-from gradscaler.telemetry import COUNTERS
+from gradscaler import rule
+from gradscaler.record import logsummary
+from gradscaler.record.logsummary import BUCKETS, LogSummary, Writer, writer_name
+from gradscaler.record.telemetry import COUNTERS
 
 __all__ = ["BUCKETS", "LogError", "LogSummary", "summarise", "summarise_file", "writer_name"]
 

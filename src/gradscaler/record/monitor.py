@@ -33,8 +33,8 @@ from gradscaler import grads
 from gradscaler.errors import COLLAPSE_CAUSES, ScaleCollapseError, ScaleCollapseWarning
 from gradscaler.grads import WeakById, checkable_view
 from gradscaler.kernels import host_reads_free, moved
+from gradscaler.record.telemetry import COUNTERS, Landed
 from gradscaler.rule import INT64_MAX, ScaleRule
-from gradscaler.telemetry import COUNTERS, Landed
 
 Logger = Callable[[dict[str, Any]], None]
 NormRecord = tuple[list[torch.Tensor], torch.Tensor]

@@ -5,7 +5,7 @@ of its positions and their float32 state (the same tensors as in ``state``: ``to
 once). Torch keeps unknown group keys, so a checkpoint passed through a run without masters still holds
 old ones; taken back: a saved master only if it rounds to the whole parameter it is loaded for
 (``claims``), and its saved state only where it rounds to the state loaded with it at the same step
-(``state_for_master``). Plain functions of tensors and dicts; ``masters.MasterWeights`` gives the hooks
+(``state_for_master``). Plain functions of tensors and dicts; ``lifecycle.MasterWeights`` gives the hooks
 what they need as callables and never hands its pairs down.
 """
 

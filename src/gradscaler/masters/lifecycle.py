@@ -5,15 +5,15 @@ the user's optimizer: at the scaler's first contact, each float16/bfloat16 param
 gradient (or trained) is replaced *in the optimizer's ``param_groups``* by a float32 master; the state is
 keyed by the masters, and schedulers, ``add_param_group`` and every torch optimizer keep working.
 
-``MasterWeights`` steers the lifecycle; beside it, ``masters_pairs`` (a parameter and its master, an
-optimizer's set of them), ``masters_checks`` (which parameters get masters; the refusals),
-``masters_checkpoint`` (the state-dict hooks) and ``masters_wrappers`` (what reaches the masters through
-the user's own objects). The scaler calls ``move`` at an optimizer's first ``unscale_``,
-``clip_grad_norm_`` or fused check of an iteration (``show`` at the end of the user's ``unscale_``),
-``before_step`` and ``finish`` around its ``optimizer.step``, ``end_iteration`` at ``update``,
-``release`` at a ``scale()`` that finds an iteration interrupted and ``end`` for one optimizer whose
-iteration a new backward replaced. Everything is derived from the model's own state at those points,
-whoever cleared or wrote what in between:
+``MasterWeights`` steers the lifecycle; beside it, ``pairs`` (a parameter and its master, an optimizer's
+set of them), ``checks`` (which parameters get masters; the refusals), ``checkpoint`` (the state-dict
+hooks) and ``wrappers`` (what reaches the masters through the user's own objects). The scaler calls
+``move`` at an optimizer's first ``unscale_``, ``clip_grad_norm_`` or fused check of an iteration
+(``show`` at the end of the user's ``unscale_``), ``before_step`` and ``finish`` around its
+``optimizer.step``, ``end_iteration`` at ``update``, ``release`` at a ``scale()`` that finds an
+iteration interrupted and ``end`` for one optimizer whose iteration a new backward replaced.
+Everything is derived from the model's own state at those points, whoever cleared or wrote what in
+between:
 
 * **Gradients.** ``move`` sets each master's gradient to its parameter's gradient in float32 (times the
   scaler's factor), or to None when the parameter has none, and drops the parameter's gradient (the
@@ -28,7 +28,7 @@ whoever cleared or wrote what in between:
   parameter written since (version counter, or a new storage) refreshes its master wherever it is not the
   master rounded; a write through ``p.data`` in place is unseen (docs/migration.md).
 * **Checkpoints.** The optimizer's ``state_dict`` carries the masters and their float32 state
-  (``masters_checkpoint``); a saved master is used only where it still rounds to its parameter.
+  (``checkpoint``); a saved master is used only where it still rounds to its parameter.
 * **Copies.** Each master names its parameter (``PARAM_ATTR``), so a pickled, saved or deep-copied
   (model, optimizer, scaler) binds the copied masters to the copied parameters at its first contact.
 """
@@ -44,10 +44,10 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from gradscaler import grads
-from gradscaler import masters_checkpoint as checkpoint
 from gradscaler.kernels import GradStats, grad_stats, move_grads_, moved
-from gradscaler.masters_checkpoint import SAVED_KEY
-from gradscaler.masters_checks import (
+from gradscaler.masters import checkpoint
+from gradscaler.masters.checkpoint import SAVED_KEY
+from gradscaler.masters.checks import (
     LOW_PRECISION,
     PARAM_ATTR,
     WRITTEN_LOW_GRADS_MESSAGE,
@@ -59,12 +59,8 @@ from gradscaler.masters_checks import (
     stands_in,
     trained,
 )
-from gradscaler.masters_pairs import Binding, Pair
-from gradscaler.masters_wrappers import AddParamGroupChecked, ZeroGradBoth, route, route_clipping, unroute, unwrap
-
-# Reached through ``gradscaler.masters`` (docs/migration.md names ``gradscaler.masters.clip_grad_norm_``).
-from gradscaler.masters_wrappers import clip_grad_norm_ as clip_grad_norm_
-from gradscaler.masters_wrappers import torch_clip_grad_norm_ as torch_clip_grad_norm_
+from gradscaler.masters.pairs import Binding, Pair
+from gradscaler.masters.wrappers import AddParamGroupChecked, ZeroGradBoth, route, route_clipping, unroute, unwrap
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from gradscaler.logsummary import CLUSTER, LONG_SKIP_RUN, LogSummary, writer_name
+from gradscaler.record.logsummary import CLUSTER, LONG_SKIP_RUN, LogSummary, writer_name
 
 
 def _scale(value: float) -> str:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from gradscaler import masters_checkpoint as checkpoint
+from gradscaler.masters import checkpoint
 
 
 def _storage(tensor: torch.Tensor) -> int | None:

@@ -20,7 +20,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from gradscaler import compiled
-from gradscaler.masters_checks import LOW_PRECISION
+from gradscaler.masters.checks import LOW_PRECISION
 
 # Low-precision parameters whose gradients are in their masters this iteration -> those masters, for
 # every scaler: ``stand_ins`` lets a clipping call over ``model.parameters()`` reach the masters.

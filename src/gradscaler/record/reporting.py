@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gradscaler.diagnosis import describe, diagnose, top_offenders
-from gradscaler.scalerlog import LogSummary, summarise_file
+from gradscaler.record.diagnosis import describe, diagnose, top_offenders
+from gradscaler.record.scalerlog import LogSummary, summarise_file
 
 PLOT_HINT = "pip install 'matplotlib>=3.7' into the environment that runs gradscaler"
 """What to do when matplotlib is missing. gradscaler is not on PyPI, so ``pip install 'gradscaler[plot]'``
