@@ -300,3 +300,28 @@ def test_the_circle_check_fails_when_a_circle_is_reintroduced(
     tmp_path: Path, module: str, line: str, expected: list[str]
 ) -> None:
     assert import_cycles(package_with(tmp_path, module, line)) == ([expected] if expected else [])
+
+
+def test_every_module_imports_first() -> None:
+    """Each module of the package imports in a process where nothing of gradscaler is loaded yet (a
+    private module a test or a tool imports first, ``from gradscaler import grads`` inside it included):
+    the lazy face must not load the public names while one of their modules is half-initialised."""
+    import subprocess
+    import sys
+
+    modules = sorted(dotted_name(path, SRC) for path in SRC.rglob("*.py") if path.name != "__main__.py")
+    script = (
+        "import importlib, sys\n"
+        "failed = []\n"
+        f"for name in {modules!r}:\n"
+        "    for loaded in [m for m in sys.modules if m == 'gradscaler' or m.startswith('gradscaler.')]:\n"
+        "        del sys.modules[loaded]\n"
+        "    try:\n"
+        "        importlib.import_module(name)\n"
+        "    except Exception as error:\n"
+        "        failed.append(f'{name}: {type(error).__name__}: {error}')\n"
+        "print('\\n'.join(failed))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "", result.stdout
