@@ -426,3 +426,44 @@ def test_patch_torch_refuses_accumulation_without_masters_and_other_settings() -
     assert not gradscaler.is_torch_patched()
     with gradscaler.patch_torch(master_weights=True), pytest.raises(ValueError, match=r"unpatch_torch\(\) first"):
         gradscaler.patch_torch(master_weights=True, accumulate_grads_in_fp32=True)
+
+
+class Mlp(nn.Module):
+    """float16 layers around a float32 LayerNorm, one forward for every micro-batch (nothing to recompile)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(8, 16).half()
+        self.norm = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 4).half()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(torch.relu(self.inp(x.half())).float()).half())
+
+
+def compiled_loop(system: System, steps: int, micro: int) -> dict[str, list[Any]]:
+    trace = new_trace()
+    compiled = torch.compile(system.model, backend="aot_eager")
+    for step in range(steps):
+        system.zero_grad("optimizer", True)
+        for k in range(micro):
+            x, y = batch(step, k)
+            system.backward(((compiled(x).float() - y) ** 2).mean() / micro)
+        system.clip(1.0)
+        system.step()
+        system.update()
+        record(system, trace)
+    return trace
+
+
+def test_a_compiled_model_with_the_eager_step_equals_the_recipe() -> None:
+    """``torch.compile(model)`` (aot_eager: the graphs inductor would get, run without a C compiler): the
+    compiled backward's gradients reach the parameters through autograd's ``AccumulateGrad``, so the
+    hooks and the walk at ``scale()`` see them as in eager mode."""
+    make = OPTIMIZERS["adamw_fused"]
+    torch._dynamo.reset()
+    ours = compiled_loop(Ours(Mlp(), make, fp32_scaler()), 4, 4)
+    torch._dynamo.reset()
+    reference = compiled_loop(Fp32Recipe(Mlp(), make), 4, 4)
+    assert_same_trace(ours, reference)

@@ -19,6 +19,9 @@ bound to, and those a bound optimizer's ``add_param_group`` adds. A parameter ho
 no optimizer of the scaler binds gets its gradient back in its dtype at that ``update()``.
 
 ``Accumulation`` is what ``MasterWeights`` holds; its ``take`` is the move of an accumulating binding.
+Refused: FSDP2's sharded parameters at a binding (FSDP2 reduce-scatters each backward's gradient itself:
+its ``reduce_dtype`` is the setting), and under DDP the reduced gradient its last backward writes into
+``p.grad`` (the float32 sums are not averaged across ranks).
 """
 
 from __future__ import annotations
@@ -64,6 +67,21 @@ WRITTEN_MESSAGE = (
     "scaler.unscale_(optimizer), would be lost: the optimizer steps the master. Write into the master's "
     "gradient instead (scaler.master_weights(optimizer) gives the (parameter, master) pairs), or leave "
     "accumulate_grads_in_fp32 out."
+)
+
+FSDP2_MESSAGE = (
+    "accumulate_grads_in_fp32=True cannot apply under FSDP2 (fully_shard): FSDP2 reduce-scatters each "
+    "backward's gradient itself, in its reduce_dtype, and keeps the sharded gradient; a float32 sum per "
+    "micro-batch would take the gradient before FSDP2 sees it. FSDP2's own setting: keep the parameters in "
+    "float32 and compute in bfloat16/float16 with fully_shard(module, mp_policy=MixedPrecisionPolicy("
+    "param_dtype=torch.bfloat16, reduce_dtype=torch.float32)); its sharded float32 gradients then "
+    "accumulate in float32 across micro-batches. Or leave accumulate_grads_in_fp32 out. The scaler's "
+    "hooks are removed and no master was built."
+)
+
+DDP_MESSAGE_TAIL = (
+    " Under DistributedDataParallel this is DDP's reduced gradient: accumulate_grads_in_fp32 does not "
+    "reduce the float32 sums across ranks yet; leave it out under DDP."
 )
 
 LATER_HOOK_MESSAGE = (
@@ -207,6 +225,19 @@ class Accumulation:
             if isinstance(param, torch.Tensor) and param.dtype in LOW_PRECISION and param.requires_grad:
                 self.hook(param)
 
+    def refuse_sharded(self, params: list[torch.Tensor]) -> None:
+        """Before a binding: ``ValueError`` (``FSDP2_MESSAGE``) if a low-precision parameter among
+        ``params`` is a DTensor (FSDP2's sharded parameters); every hook is removed first."""
+        if any(p.dtype in LOW_PRECISION and type(p) not in (torch.Tensor, torch.nn.Parameter) for p in params):
+            from torch.distributed.tensor import DTensor
+
+            if any(isinstance(p, DTensor) for p in params):
+                for param, found in list(self._sums.items()):
+                    found.release(param)
+                self._sums = WeakIdKeyDictionary()
+                self.watching = False
+                raise ValueError(FSDP2_MESSAGE)
+
     def bind(self, binding: Binding) -> None:
         """Hook every parameter of ``binding`` (hooked already or not) and point its sum at its master."""
         for pair in binding.pairs:
@@ -220,7 +251,8 @@ class Accumulation:
         post-accumulate-grad hooks run one after the scaler's. ``name(pair, number)`` names it."""
         for number, pair in enumerate(binding.pairs):
             if pair.low.grad is not None:
-                raise ValueError(WRITTEN_MESSAGE.format(name=name(pair, number)))
+                ddp = torch.distributed.is_available() and torch.distributed.is_initialized()
+                raise ValueError(WRITTEN_MESSAGE.format(name=name(pair, number)) + (DDP_MESSAGE_TAIL if ddp else ""))
             if before_step:
                 continue
             found = self._sums.get(pair.low)

@@ -374,6 +374,8 @@ class MasterWeights:
             return binding  # the common case: nothing new since the last contact
         if not loaded and not any(stands_in(p) for p in grads.iter_params(optimizer)):
             return binding  # nothing to master (yet): bound when a low-precision parameter appears
+        if self._sums is not None:
+            self._sums.refuse_sharded(list(grads.iter_params(optimizer)))
         check_inner_optimizers(optimizer)
         check_params(optimizer, binding.by_master, self._owners, {id(low) for low in binding.lows()})
         continued: list[str] = []
