@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from gradscaler import GradScaler
+from gradscaler.tools.compiled_step import Shape, breaks, build, drive, inputs, recompiles
 from recipe import (
     OPTIMIZERS,
     SCALER_ARGS,
@@ -467,3 +468,33 @@ def test_a_compiled_model_with_the_eager_step_equals_the_recipe() -> None:
     torch._dynamo.reset()
     reference = compiled_loop(Fp32Recipe(Mlp(), make), 4, 4)
     assert_same_trace(ours, reference)
+
+
+ACCUMULATING = [
+    Shape(False, "none", True, True),
+    Shape(False, "unscale", True, True),
+    Shape(True, "scaler", True, True),
+]
+
+
+@pytest.mark.parametrize("shape", ACCUMULATING, ids=lambda s: s.name)
+def test_the_whole_step_compiled_keeps_no_recompile_and_no_more_breaks(shape: Shape) -> None:
+    """tests/test_compiled.py's counting (``gradscaler.tools.compiled_step``) with the argument on: over 60
+    steps whose scale grows and backs off, no recompile and the recipe's bits (one backward a step: the
+    recipe by hand with float32 accumulation is the plain one); the graph breaks are those of the same
+    shape without the argument."""
+    torch._dynamo.reset()
+    theirs = build(shape, ours=False)
+    drive(theirs, inputs(60), "aot_eager")
+    torch._dynamo.reset()
+    ours = build(shape, ours=True)
+    with recompiles() as messages:
+        drive(ours, inputs(60), "aot_eager")
+    assert list(messages) == []
+    assert all(torch.equal(a, b) for a, b in zip(ours.state(), theirs.state(), strict=True))
+    counted = {}
+    for accumulate in (False, True):
+        torch._dynamo.reset()
+        plain = Shape(shape.fused, shape.clip, True, accumulate)
+        counted[accumulate] = [(b.reason, b.in_library) for b in breaks(build(plain, ours=True), inputs(2))]
+    assert counted[True] == counted[False]

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from gradscaler import compiled
 from gradscaler.masters.checks import LOW_PRECISION
 from gradscaler.masters.pairs import Binding
 from gradscaler.masters.wrappers import route
@@ -110,6 +111,7 @@ class Sum:
         self.fresh = True
         self.handle: Any = None
 
+    @compiled.eager  # autograd calls it inside a compiled step's backward: one frame per parameter otherwise
     def __call__(self, param: torch.Tensor) -> None:
         grad = param.grad
         if grad is None or self.param() is not param or self.owner() is None:
