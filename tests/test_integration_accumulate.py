@@ -1,5 +1,6 @@
 """``patch_torch(master_weights=True, accumulate_grads_in_fp32=True)`` in real clients' accumulation loops:
-nanoGPT's micro-steps, Accelerate's ``accumulate()`` and the HF Trainer's ``gradient_accumulation_steps``.
+nanoGPT's micro-steps, Accelerate's ``accumulate()``, the HF Trainer's ``gradient_accumulation_steps`` and
+Lightning Fabric's ``no_backward_sync`` accumulation.
 
 Each framework's code is unchanged and driven down its CUDA fp16 path on the CPU as in
 tests/test_integration_masters.py. Where the loop lets the recipe be written by hand (an optimizer over
@@ -171,3 +172,49 @@ def test_hf_trainer_gradient_accumulation_steps_trains(tmp_path: Any) -> None:
     assert all(loss == loss for loss in losses) and sum(losses[-3:]) < sum(losses[:3]), losses
     assert norms and all(float(n) > 0 for n in norms if float(n) == float(n))  # the sums' norm, not 0
     assert all(p.grad is None for p in model.parameters())
+
+
+lightning = pytest.importorskip("lightning")
+
+
+def fabric_run(*, by_hand: bool, steps: int = 10) -> dict[str, Any]:
+    """Lightning Fabric with ``precision="16-true"`` (a float16 model, no scaler of its own) and gradient
+    accumulation as Fabric writes it: ``no_backward_sync`` on all but the last of ``MICRO`` micro-batches,
+    then the step; the scaler is the user's own (``GradScaler`` while patched, or torch's over the
+    recipe's float32 copies)."""
+    fabric = lightning.Fabric(accelerator="cpu", devices=1, precision="16-true")
+    model = fabric.setup_module(mlp(0))
+    hand = Fp32Copies(model.parameters()) if by_hand else None
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(hand.params() if hand else model.parameters(), lr=1e-2))
+    scaler = torch.amp.GradScaler("cpu", **EARLY_OVERFLOW)
+    batches = regression_batches(steps * MICRO)
+    losses, scales = [], []
+    for step in range(steps):
+        for micro in range(MICRO):
+            x, y = batches[step * MICRO + micro]
+            with fabric.no_backward_sync(model, enabled=micro < MICRO - 1):
+                loss = torch.nn.functional.mse_loss(model(x), y) / MICRO
+                fabric.backward(scaler.scale(loss))
+            if hand:
+                hand.accumulate()
+            losses.append(loss.item())
+        if hand:
+            hand.move_grads()
+        scaler.step(optimizer)
+        if hand and not sum(f.item() for f in scaler._found_inf_per_device(optimizer).values()):
+            hand.copy_back()
+        scaler.update()
+        optimizer.zero_grad()
+        scales.append(scaler.get_scale())
+    return {"losses": losses, "scales": scales, "params": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+def test_lightning_fabric_accumulation_equals_the_recipe_with_float32_accumulation() -> None:
+    reference = fabric_run(by_hand=True)
+    with gradscaler.patch_torch(master_weights=True, accumulate_grads_in_fp32=True):
+        run = fabric_run(by_hand=False)
+    assert min(reference["scales"]) < EARLY_OVERFLOW["init_scale"]
+    assert all(v.dtype == torch.float16 for v in reference["params"].values())
+    initial = mlp(0).half().state_dict()
+    assert all(not torch.equal(v, initial[k]) for k, v in reference["params"].items())
+    assert_bit_identical(run, reference)
