@@ -236,3 +236,55 @@ def record(system: System, trace: dict[str, list[Any]]) -> None:
 
 def new_trace() -> dict[str, list[Any]]:
     return {"scales": [], "params": []}
+
+
+class Fp32Copies(Copies):
+    """The recipe's copies with float32 accumulation (``accumulate_grads_in_fp32``): after every backward,
+    ``c.grad = p.grad.float()`` on the iteration's first gradient (or when ``c.grad`` is None), else
+    ``c.grad = c.grad + p.grad.float()``, then ``p.grad = None``; at the move, a copy whose parameter got
+    no gradient this iteration has none (it is not stepped), and the next gradient starts a new sum."""
+
+    def __init__(self, params: Iterable[torch.Tensor]) -> None:
+        super().__init__(params)
+        self.touched: set[int] = set()
+
+    def accumulate(self) -> None:
+        for p, c in self.pairs:
+            if p.grad is None:
+                continue
+            g = p.grad.float()
+            c.grad = g if id(c) not in self.touched or c.grad is None else c.grad + g
+            self.touched.add(id(c))
+            p.grad = None
+
+    def move_grads(self) -> None:
+        for _, c in self.pairs:
+            if id(c) not in self.touched:
+                c.grad = None
+        self.touched.clear()
+
+
+class Fp32Recipe(Recipe):
+    """The recipe by hand with float32 accumulation (``Fp32Copies``) and torch's scaler."""
+
+    def __init__(self, model: nn.Module, make: MakeOptimizer, scaler: Any = None) -> None:
+        super().__init__(model, make, scaler)
+        self.copies = Fp32Copies(self.copies.all)
+        self.optimizer = make(self.copies.params())
+
+    def backward(self, loss: torch.Tensor) -> None:
+        super().backward(loss)
+        self.copies.accumulate()
+
+
+class Fp32RecipeScalerClips(Fp32Recipe):
+    """``Fp32Recipe`` clipping its copies with a gradscaler scaler's ``clip_grad_norm_`` (``RecipeScalerClips``)."""
+
+    def clip(self, max_norm: float) -> None:
+        self.move()
+        self.scaler.clip_grad_norm_(self.optimizer, max_norm)
+
+
+def fp32_scaler(**kwargs: Any) -> GradScaler:
+    """``GradScaler(master_weights=True, accumulate_grads_in_fp32=True)`` with the tests' settings."""
+    return GradScaler("cpu", master_weights=True, accumulate_grads_in_fp32=True, **{**SCALER_ARGS, **kwargs})

@@ -45,7 +45,15 @@ LAYERS: dict[str, int] = {
     "__main__": 9,
 }
 INSIDE: dict[str, dict[str, int]] = {
-    "masters": {"checks": 0, "checkpoint": 0, "pairs": 1, "wrappers": 1, "lifecycle": 2, "__init__": 3},
+    "masters": {
+        "checks": 0,
+        "checkpoint": 0,
+        "pairs": 1,
+        "wrappers": 1,
+        "accumulate": 2,
+        "lifecycle": 3,
+        "__init__": 4,
+    },
     "record": {
         "telemetry": 0,
         "logsummary": 1,

@@ -105,20 +105,26 @@ _originals: dict[tuple[str, str], Any] | None = None
 _installed: dict[tuple[str, str], Any] = {}
 
 
-def _with_master_weights(base: type) -> type:
-    """``base`` building its scalers with ``master_weights=True`` unless told otherwise."""
+def _with_master_weights(base: type, accumulate: bool = False) -> type:
+    """``base`` building its scalers with ``master_weights=True`` (and, with ``accumulate``,
+    ``accumulate_grads_in_fp32=True``) unless told otherwise."""
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("master_weights", True)
+        if accumulate:
+            kwargs.setdefault("accumulate_grads_in_fp32", True)
         super(variant, self).__init__(*args, **kwargs)  # type: ignore[arg-type]
 
     variant = type(base.__name__, (base,), {"__init__": __init__, "__doc__": base.__doc__, "__module__": __name__})
     return variant
 
 
-_MASTER_VARIANTS: dict[type, type] = {
-    cls: _with_master_weights(cls) for cls in (GradScaler, CudaAmpGradScaler, CpuAmpGradScaler)
+_MASTER_VARIANTS: dict[tuple[type, bool], type] = {
+    (cls, accumulate): _with_master_weights(cls, accumulate)
+    for cls in (GradScaler, CudaAmpGradScaler, CpuAmpGradScaler)
+    for accumulate in (False, True)
 }
+_accumulating = False  # the installed patch's accumulate_grads_in_fp32
 
 
 def _rebuild_torch_scaler(module_name: str, name: str, state: dict[str, Any]) -> Any:
@@ -183,7 +189,7 @@ class TorchPatch:
         self.undo()
 
 
-def patch_torch(*, master_weights: bool = False) -> TorchPatch:
+def patch_torch(*, master_weights: bool = False, accumulate_grads_in_fp32: bool = False) -> TorchPatch:
     """Make ``torch.amp.GradScaler`` and its other spellings build gradscaler's scaler, until undone.
 
     ``torch.amp.GradScaler``, ``torch.amp.grad_scaler.GradScaler`` and ``torch.GradScaler`` become
@@ -196,15 +202,21 @@ def patch_torch(*, master_weights: bool = False) -> TorchPatch:
     ``master_weights=True``: the scalers built default to ``master_weights=True`` (float16 models train
     through float32 masters), and ``torch.nn.utils.clip_grad_norm_`` clips the masters' gradients in
     place of the float16 parameters' (``gradscaler.masters.clip_grad_norm_``; a scaler with masters
-    routes it so at its first step too).
+    routes it so at its first step too). ``accumulate_grads_in_fp32=True`` (with ``master_weights=True``):
+    they also default to ``accumulate_grads_in_fp32=True`` (gradients summed in float32 across
+    micro-batches; ``GradScaler``).
     """
-    global _originals
+    global _originals, _accumulating
+    if accumulate_grads_in_fp32 and not master_weights:
+        raise ValueError(masters.WITHOUT_MASTERS_MESSAGE.replace("GradScaler(", "patch_torch(", 1))
     with _lock:
         if _originals is not None:
-            if (("torch.nn.utils", "clip_grad_norm_") in _originals) != master_weights:
+            patched = ("torch.nn.utils", "clip_grad_norm_") in _originals
+            if (patched, _accumulating) != (master_weights, accumulate_grads_in_fp32):
                 raise ValueError(
-                    f"patch_torch(master_weights={master_weights}): torch is already patched with "
-                    f"master_weights={not master_weights}. Call gradscaler.unpatch_torch() first."
+                    f"patch_torch(master_weights={master_weights}, accumulate_grads_in_fp32="
+                    f"{accumulate_grads_in_fp32}): torch is already patched with master_weights={patched}, "
+                    f"accumulate_grads_in_fp32={_accumulating}. Call gradscaler.unpatch_torch() first."
                 )
             return TorchPatch(None)
         for name in _SUBCLASSING_MODULES:
@@ -213,7 +225,8 @@ def patch_torch(*, master_weights: bool = False) -> TorchPatch:
         originals: dict[tuple[str, str], Any] = {}
         targets: list[tuple[Any, str, str, Any]] = list(_spellings())
         if master_weights:
-            targets = [(m, name, attr, _MASTER_VARIANTS[cls]) for m, name, attr, cls in targets]
+            variants = {cls: _MASTER_VARIANTS[(cls, accumulate_grads_in_fp32)] for _, _, _, cls in targets}
+            targets = [(m, name, attr, variants[cls]) for m, name, attr, cls in targets]
             targets.append((torch.nn.utils, "torch.nn.utils", "clip_grad_norm_", masters.clip_grad_norm_))
         for module, module_name, attr, replacement in targets:
             original = getattr(module, attr)
@@ -223,6 +236,7 @@ def patch_torch(*, master_weights: bool = False) -> TorchPatch:
                 copyreg.pickle(originals[(module_name, attr)], _reduce_torch_scaler)
             _installed[(module_name, attr)] = replacement
         _originals = originals
+        _accumulating = accumulate_grads_in_fp32
         return TorchPatch(originals)
 
 

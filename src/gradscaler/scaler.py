@@ -104,6 +104,8 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         history: length of the on-device ring of past scales and skip flags.
         master_weights: train float16/bfloat16 parameters through float32 masters the optimizer steps
             (``gradscaler.masters``; docs/migration.md). False keeps torch's ``ValueError``.
+        accumulate_grads_in_fp32: with ``master_weights``, add each backward's gradient of a float16/bfloat16
+            parameter into its master's float32 gradient (``p.grad`` is then None after backward).
     """
 
     # torch's class whose name this class stands for under ``patch_torch()`` (see ``__setstate__``).
@@ -128,6 +130,7 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         on_collapse: str = "raise",
         history: int = 1024,
         master_weights: bool = False,
+        accumulate_grads_in_fp32: bool = False,
     ) -> None:
         self._device = device
         self._enabled = enabled
@@ -156,7 +159,7 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         self._init_hysteresis_tracker = self._rule.hysteresis
         self._init_counters = [0] * len(COUNTERS)
         self._process_group = process_group
-        self._masters = masters.MasterWeights() if master_weights else masters.NoMasters()
+        self._masters = masters.build(master_weights, accumulate_grads_in_fp32)
         stands_for = self._masters.param_of if master_weights else None  # names a master as its parameter
         self._monitor = Monitor(collapse_patience, on_collapse, stands_for=stands_for)
         self._scale: torch.Tensor | None = None
@@ -198,7 +201,7 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
                 if factor is None:
                     factor = self._scale.to(device=value.device, non_blocking=True)
                     copies[value.device] = factor
-                return value * factor
+                return self._masters.watch(value * factor)
             if isinstance(value, abc.Iterable):
                 mapped = map(scale_one, value)
                 return type(value)(mapped) if isinstance(value, (list, tuple)) else mapped

@@ -12,24 +12,39 @@ The package, lowest first; a file imports only files above it in this list (test
 - ``wrappers``: what reaches the masters through the user's objects: ``unwrap`` of Accelerate's and
   Lightning's wrappers, ``clip_grad_norm_`` routed through the masters, ``zero_grad`` and
   ``add_param_group`` of a bound optimizer.
+- ``accumulate``: ``accumulate_grads_in_fp32=True``, each backward's gradient of a low-precision
+  parameter added into a float32 sum by a post-accumulate-grad hook (``Accumulation``), the master's
+  gradient once bound.
 - ``lifecycle``: ``MasterWeights``, which the scaler owns and calls at the iteration's fixed points
   (bind, move, copy back), and ``NoMasters`` for a scaler without masters.
 
 Public here: ``clip_grad_norm_`` (torch's function, routed to the masters' gradients) and
-``ContinuedWarning``; the scaler and ``drop_in`` use the other names below.
+``ContinuedWarning``; the scaler and ``drop_in`` use the other names below (``build``: the service a
+scaler's ``master_weights`` and ``accumulate_grads_in_fp32`` ask for).
 """
 
+from gradscaler.masters.accumulate import WITHOUT_MASTERS_MESSAGE
 from gradscaler.masters.checkpoint import SAVED_KEY, ContinuedWarning
 from gradscaler.masters.lifecycle import MasterWeights, Moved, NoMasters
 from gradscaler.masters.wrappers import clip_grad_norm_, torch_clip_grad_norm_, unwrap
 
 __all__ = [
     "SAVED_KEY",
+    "WITHOUT_MASTERS_MESSAGE",
     "ContinuedWarning",
     "MasterWeights",
     "Moved",
     "NoMasters",
+    "build",
     "clip_grad_norm_",
     "torch_clip_grad_norm_",
     "unwrap",
 ]
+
+
+def build(master_weights: bool, accumulate_grads_in_fp32: bool) -> MasterWeights | NoMasters:
+    """The masters of a scaler built with these two arguments; ``ValueError`` for accumulation without
+    masters (nothing built)."""
+    if accumulate_grads_in_fp32 and not master_weights:
+        raise ValueError(WITHOUT_MASTERS_MESSAGE)
+    return MasterWeights(accumulate_grads_in_fp32) if master_weights else NoMasters()

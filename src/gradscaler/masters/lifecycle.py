@@ -46,6 +46,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from gradscaler import grads
 from gradscaler.kernels import GradStats, grad_stats, move_grads_, moved
 from gradscaler.masters import checkpoint
+from gradscaler.masters.accumulate import Accumulation
 from gradscaler.masters.checkpoint import SAVED_KEY
 from gradscaler.masters.checks import (
     LOW_PRECISION,
@@ -168,18 +169,25 @@ class MasterWeights:
 
     active = True
 
-    def __init__(self) -> None:
+    def __init__(self, accumulate: bool = False) -> None:
         self._bindings: weakref.WeakKeyDictionary[torch.optim.Optimizer, Binding] = weakref.WeakKeyDictionary()
         self._owners = WeakIdKeyDictionary()
+        self._sums = Accumulation() if accumulate else None  # accumulate_grads_in_fp32 (``accumulate``)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> MasterWeights:
-        return MasterWeights()  # the copy binds its optimizers at first contact, copied masters included
+        # the copy binds its optimizers at first contact, copied masters included
+        return MasterWeights(self._sums is not None)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {}  # optimizers belong to this process; an unpickled scaler binds afresh
+        return {"accumulate": self._sums is not None}  # optimizers belong to this process: binds afresh
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__()  # type: ignore[misc]
+        self.__init__(state.get("accumulate", False))  # type: ignore[misc]
+
+    def watch(self, output: Any) -> Any:
+        """At ``scale()``, ``output`` a scaled tensor: with ``accumulate_grads_in_fp32``, hook the
+        parameters of its graph (``accumulate``). Returns ``output``."""
+        return output if self._sums is None else self._sums.watch(output)
 
     def masters(self, optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(low-precision parameter, master) for every master of ``optimizer``, in param-group order."""
@@ -224,6 +232,15 @@ class MasterWeights:
         if binding.moved or not binding.pairs:
             return NOTHING
         route_clipping()
+        if self._sums is not None:  # the sums are float32 gradients: the scaler's own pass checks them
+            self._sums.refuse(binding, functools.partial(self._name, optimizer))
+            with torch.no_grad():
+                for pair in binding.pairs:
+                    if pair.written():
+                        pair.refresh()
+                self._sums.take(binding)
+            binding.moved = True
+            return Moved({}, {}, {}, grads.new_groups())
         with torch.no_grad():
             moving: list[tuple[Pair, torch.Tensor]] = []
             for pair in binding.pairs:
@@ -291,6 +308,8 @@ class MasterWeights:
         binding = self._bindings.get(optimizer)
         if binding is None:
             return
+        if self._sums is not None:
+            self._sums.refuse(binding, functools.partial(self._name, optimizer), before_step=True)
         for number, pair in enumerate(binding.pairs):
             kept, grad = pair.kept, pair.low.grad
             if kept is not None and grad is not None and (grad is not kept or grad._version != pair.kept_version):
@@ -328,6 +347,8 @@ class MasterWeights:
         for binding in list(self._bindings.values()):
             if binding.moved:
                 _end(binding)
+        if self._sums is not None:
+            self._sums.end_iteration({id(low) for binding in self._bindings.values() for low in binding.lows()})
 
     def refuse_disabled(self, optimizer: torch.optim.Optimizer) -> None:
         """For a disabled scaler asked for masters: ``ValueError`` if ``optimizer`` would step a
@@ -353,6 +374,8 @@ class MasterWeights:
             return binding  # the common case: nothing new since the last contact
         if not loaded and not any(stands_in(p) for p in grads.iter_params(optimizer)):
             return binding  # nothing to master (yet): bound when a low-precision parameter appears
+        if self._sums is not None:
+            self._sums.refuse_sharded(list(grads.iter_params(optimizer)))
         check_inner_optimizers(optimizer)
         check_params(optimizer, binding.by_master, self._owners, {id(low) for low in binding.lows()})
         continued: list[str] = []
@@ -369,8 +392,11 @@ class MasterWeights:
             load = checkpoint.load_hook(binding.restore, functools.partial(_end, binding))
             binding.hooks = checkpoint.install_hooks(optimizer, save, load)
             optimizer.zero_grad = ZeroGradBoth(optimizer, binding.lows)  # type: ignore[method-assign]
-            optimizer.add_param_group = AddParamGroupChecked(optimizer, binding.lows)  # type: ignore[method-assign]
+            added = None if self._sums is None else self._sums.added
+            optimizer.add_param_group = AddParamGroupChecked(optimizer, binding.lows, added)  # type: ignore[method-assign]
             self._bindings[optimizer] = binding
+        if self._sums is not None:
+            self._sums.bind(binding)
         return binding
 
     def _bind_param(
@@ -409,6 +435,9 @@ class NoMasters:
     """The service of a scaler without ``master_weights``: every operation changes nothing."""
 
     active = False
+
+    def watch(self, output: Any) -> Any:
+        return output
 
     def masters(self, optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return []

@@ -114,11 +114,18 @@ class AddParamGroupChecked:
     parameter a master of ``optimizer`` already stands for, as torch refuses one it holds (same error,
     nothing added). torch cannot see it: the groups hold the master, not the parameter.
 
-    Installed on the instance like ``ZeroGradBoth``; holds the optimizer weakly."""
+    Installed on the instance like ``ZeroGradBoth``; holds the optimizer weakly. ``added`` is told the
+    new group's parameters (``accumulate``: hooked before their first backward)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, lows: Callable[[], Iterable[torch.Tensor]]) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        lows: Callable[[], Iterable[torch.Tensor]],
+        added: Callable[[list[torch.Tensor]], None] | None = None,
+    ) -> None:
         self._optimizer = weakref.ref(optimizer)
         self._lows = lows
+        self._added = added
 
     def __call__(self, param_group: dict[str, Any]) -> None:
         optimizer = self._optimizer()
@@ -135,3 +142,5 @@ class AddParamGroupChecked:
         if any(id(p) in held for p in params):
             raise ValueError("some parameters appear in more than one parameter group")  # torch's message
         type(optimizer).add_param_group(optimizer, param_group)
+        if self._added is not None:
+            self._added(params)

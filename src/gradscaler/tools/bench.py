@@ -15,7 +15,8 @@ Three sections, each checking correctness while it times:
 
 On request (``--sections``): ``matrix`` (``matrix.py``), ``masters`` (``bench_masters.py``),
 ``compile`` (``bench_compile.py``: eager, compiled model, compiled step) and ``memory``
-(``memory.py``: bytes per parameter measured from the storages, nothing timed).
+(``memory.py``: bytes per parameter measured from the storages, nothing timed) and ``accumulation``
+(``bench_accumulate.py``: ``accumulate_grads_in_fp32``'s precision, training, memory and time).
 """
 
 from __future__ import annotations
@@ -288,8 +289,8 @@ def run(
     sections: list[str],
     progress: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Run the chosen sections (kernel, step, iteration, masters, compile, memory) and return every number (matrix:
-    ``matrix.py``)."""
+    """Run the chosen sections (kernel, step, iteration, masters, compile, memory, accumulation) and return
+    every number (matrix: ``matrix.py``)."""
     device = torch.device(device_name or ("cuda" if torch.cuda.is_available() else "cpu"))
     shapes = gpt2_shapes(1024, 24, 50257, 1024) if device.type == "cuda" else gpt2_shapes(512, 8, 16384, 512)
     results: dict[str, Any] = {"environment": environment(device), "steps": steps, "warmup": warmup}
@@ -317,6 +318,11 @@ def run(
 
         progress("bench: bytes per parameter after a training step (3 setups x 2 optimizers) ...")
         results["memory"] = memory_section(device)
+    if "accumulation" in sections:
+        from gradscaler.tools.bench_accumulate import accumulation_section
+
+        progress("bench: gradients accumulated in float32: precision, training, memory, time ...")
+        results["accumulation"] = accumulation_section(device, steps, warmup)
     return results
 
 
@@ -356,6 +362,10 @@ def format_tables(results: dict[str, Any]) -> str:
         from gradscaler.tools.memory import memory_lines
 
         formatters["memory"] = memory_lines
+    if "accumulation" in results:
+        from gradscaler.tools.bench_accumulate import accumulation_lines
+
+        formatters["accumulation"] = accumulation_lines
     for section, format_section in formatters.items():
         if section in results:
             lines += format_section(results[section])

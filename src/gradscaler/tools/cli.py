@@ -14,7 +14,7 @@ from gradscaler.tools.shell import command, quoted
 
 # No torch at module top, here or in ``shell``: ``--help`` and argument errors answer without it.
 
-SECTIONS = ("kernel", "step", "iteration", "matrix", "masters", "compile", "memory")
+SECTIONS = ("kernel", "step", "iteration", "matrix", "masters", "compile", "memory", "accumulation")
 DEFAULT_SECTIONS = ("kernel", "step", "iteration")
 
 

@@ -44,11 +44,13 @@ class Shape:
     """A loop shape: ``fused`` AdamW or the for-loop one; ``clip`` ``"none"``, ``"unscale"``
     (``unscale_`` + ``torch.nn.utils.clip_grad_norm_``) or ``"scaler"`` (``scaler.clip_grad_norm_``;
     torch's scaler has none, so its run makes the two calls); ``masters``: a float16 model trained
-    through float32 masters (the recipe by hand for torch's scaler)."""
+    through float32 masters (the recipe by hand for torch's scaler); ``accumulate``: with
+    ``accumulate_grads_in_fp32=True`` too (one backward a step: the same recipe by hand)."""
 
     fused: bool = False
     clip: str = "none"
     masters: bool = False
+    accumulate: bool = False
 
     @property
     def name(self) -> str:
@@ -58,6 +60,8 @@ class Shape:
         ]
         if self.masters:
             parts.append("masters")
+        if self.accumulate:
+            parts.append("fp32-accumulation")
         return "-".join(p for p in parts if p)
 
 
@@ -107,7 +111,7 @@ def build(
     kwargs: dict[str, Any] = {"growth_interval": growth_interval}
     scaler: Any
     if ours:
-        scaler = GradScaler(device, master_weights=shape.masters, **kwargs)
+        scaler = GradScaler(device, master_weights=shape.masters, accumulate_grads_in_fp32=shape.accumulate, **kwargs)
     else:
         scaler = torch.amp.GradScaler(device, **kwargs)
     params = list(model.parameters())

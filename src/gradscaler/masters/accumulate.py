@@ -1,0 +1,286 @@
+"""Gradients of float16/bfloat16 parameters accumulated in float32 across micro-batches
+(``GradScaler(..., master_weights=True, accumulate_grads_in_fp32=True)``).
+
+Autograd adds each backward's gradient into ``p.grad`` in the parameter's dtype, rounding at every add.
+Here each low-precision parameter gets a post-accumulate-grad hook (``Sum``): as soon as autograd has
+written a backward's gradient into the (always empty) ``p.grad``, the hook adds it into a float32 sum
+and sets ``p.grad = None``, so no low-precision add ever happens. The recipe by hand with float32
+accumulation, after every backward: ``m.grad = p.grad.float()`` on the iteration's first gradient,
+``m.grad = m.grad + p.grad.float()`` after it, ``p.grad = None``.
+
+Where the sum lives: in the master's ``.grad`` once the parameter is bound (so ``optimizer.zero_grad()``
+clears it as it clears any float32 gradient, and the iteration's first gradient is copied into last
+iteration's tensor when it is still there: no second float32 buffer); before the binding (the first
+iteration: masters are bound at the scaler's first contact with the optimizer, after its micro-batches)
+in the hook itself, which the binding hands to the master. Which parameters get hooks: those the
+scaler meets in the graph of a ``scale(loss)`` output (its ``AccumulateGrad`` leaves that are float16 or
+bfloat16 ``nn.Parameter``s) until the first ``update()`` after a binding, every parameter a master is
+bound to, and those a bound optimizer's ``add_param_group`` adds. A parameter hooked from the graph that
+no optimizer of the scaler binds gets its gradient back in its dtype at that ``update()``.
+
+``Accumulation`` is what ``MasterWeights`` holds; its ``take`` is the move of an accumulating binding.
+Refused: FSDP2's sharded parameters at a binding (FSDP2 reduce-scatters each backward's gradient itself:
+its ``reduce_dtype`` is the setting), and under DDP the reduced gradient its last backward writes into
+``p.grad`` (the float32 sums are not averaged across ranks).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from gradscaler import compiled
+from gradscaler.masters.checks import LOW_PRECISION
+from gradscaler.masters.pairs import Binding
+from gradscaler.masters.wrappers import route
+
+ARGUMENT = "accumulate_grads_in_fp32"
+
+WITHOUT_MASTERS_MESSAGE = (
+    "GradScaler(accumulate_grads_in_fp32=True) needs master_weights=True: the float32 sums are the "
+    "gradients of the float32 masters. Pass master_weights=True too (float16/bfloat16 parameters), or "
+    "leave accumulate_grads_in_fp32 out (a float32 model under torch.autocast accumulates its gradients "
+    "in float32 already)."
+)
+
+SPARSE_MESSAGE = (
+    "accumulate_grads_in_fp32=True: the gradient of a parameter of shape {shape} ({dtype}) is sparse "
+    "({layout}); its micro-batches cannot be summed into a dense float32 gradient. Build the layer with "
+    "sparse=False (nn.Embedding(..., sparse=False)), keep it in float32, or leave "
+    "accumulate_grads_in_fp32 out. Nothing was added for this backward."
+)
+
+CREATE_GRAPH_MESSAGE = (
+    "accumulate_grads_in_fp32=True: the gradient of a parameter of shape {shape} ({dtype}) requires grad "
+    "(a backward with create_graph=True, for a double backward such as a gradient penalty). The float32 "
+    "sum would cut it from its graph. Take the penalty's gradient with torch.autograd.grad(..., "
+    "create_graph=True) and call backward() without create_graph, or leave accumulate_grads_in_fp32 out. "
+    "Nothing was added for this backward."
+)
+
+WRITTEN_MESSAGE = (
+    "accumulate_grads_in_fp32=True: {name} holds a .grad that autograd's accumulation did not leave "
+    "there: with this argument each backward's gradient goes into the float32 sum (the master's .grad) "
+    "and p.grad is set to None. A gradient written into p.grad by hand, or after "
+    "scaler.unscale_(optimizer), would be lost: the optimizer steps the master. Write into the master's "
+    "gradient instead (scaler.master_weights(optimizer) gives the (parameter, master) pairs), or leave "
+    "accumulate_grads_in_fp32 out."
+)
+
+FSDP2_MESSAGE = (
+    "accumulate_grads_in_fp32=True cannot apply under FSDP2 (fully_shard): FSDP2 reduce-scatters each "
+    "backward's gradient itself, in its reduce_dtype, and keeps the sharded gradient; a float32 sum per "
+    "micro-batch would take the gradient before FSDP2 sees it. FSDP2's own setting: keep the parameters in "
+    "float32 and compute in bfloat16/float16 with fully_shard(module, mp_policy=MixedPrecisionPolicy("
+    "param_dtype=torch.bfloat16, reduce_dtype=torch.float32)); its sharded float32 gradients then "
+    "accumulate in float32 across micro-batches. Or leave accumulate_grads_in_fp32 out. The scaler's "
+    "hooks are removed and no master was built."
+)
+
+DDP_MESSAGE_TAIL = (
+    " Under DistributedDataParallel this is DDP's reduced gradient: accumulate_grads_in_fp32 does not "
+    "reduce the float32 sums across ranks yet; leave it out under DDP."
+)
+
+LATER_HOOK_MESSAGE = (
+    "accumulate_grads_in_fp32=True: {name} has a post-accumulate-grad hook registered after the scaler's "
+    "own, which moves each backward's gradient into the float32 sum and sets p.grad = None: that hook "
+    "saw p.grad None. Register it before the scaler first meets the parameter (before the first "
+    "scaler.scale(loss)), or use param.register_hook(fn), which sees each backward's gradient."
+)
+
+
+class Sum:
+    """One parameter's float32 sum of this iteration's gradients, and the hook autograd calls after it
+    wrote a backward's gradient into the parameter's ``.grad``.
+
+    ``fresh``: the next gradient starts the sum (the iteration's first); ``total``: the sum while no
+    master is bound (after that it lives in the master's ``.grad``). Holds the parameter, the master and
+    its owner weakly: a hook whose scaler is gone leaves ``.grad`` as autograd wrote it."""
+
+    __slots__ = ("__weakref__", "fresh", "handle", "master", "owner", "param", "total")
+
+    def __init__(self, param: torch.Tensor, owner: Accumulation) -> None:
+        self.param = weakref.ref(param)
+        self.owner = weakref.ref(owner)
+        self.master: weakref.ref[torch.Tensor] | None = None
+        self.total: torch.Tensor | None = None
+        self.fresh = True
+        self.handle: Any = None
+
+    @compiled.eager  # autograd calls it inside a compiled step's backward: one frame per parameter otherwise
+    def __call__(self, param: torch.Tensor) -> None:
+        grad = param.grad
+        if grad is None or self.param() is not param or self.owner() is None:
+            return  # a deep copy of the parameter (it shares the hook), or a scaler that is gone
+        if grad.layout is not torch.strided:
+            raise ValueError(SPARSE_MESSAGE.format(shape=tuple(param.shape), dtype=param.dtype, layout=grad.layout))
+        if grad.requires_grad:
+            raise RuntimeError(CREATE_GRAPH_MESSAGE.format(shape=tuple(param.shape), dtype=param.dtype))
+        master = None if self.master is None else self.master()
+        if master is None:
+            if self.fresh or self.total is None:
+                self.total = grad.float()
+            else:
+                self.total.add_(grad)
+        else:
+            self.add_to(master, grad)
+        self.fresh = False
+        param.grad = None
+
+    def add_to(self, master: torch.Tensor, grad: torch.Tensor) -> None:
+        """Add ``grad`` into ``master``'s gradient (the first of an iteration replaces it, written into
+        last iteration's tensor when that is still there and fits)."""
+        if self.total is not None:  # the sum made before the binding
+            master.grad, self.total = self.total, None
+        out = master.grad
+        if not self.fresh and out is not None:
+            out.add_(grad)  # float32 += float16: each value widened exactly, added in float32
+        elif out is not None and _fits(out, grad):
+            out.copy_(grad)
+        else:
+            master.grad = grad.float()
+
+    def take(self, master: torch.Tensor) -> bool:
+        """At the move: ``master``'s gradient becomes this iteration's sum, or None when the parameter got
+        no gradient this iteration; the next gradient starts a new sum. Whether it has one."""
+        if self.fresh:
+            master.grad = None
+        elif self.total is not None:
+            master.grad, self.total = self.total, None
+        self.fresh = True
+        return master.grad is not None
+
+    def release(self, param: torch.Tensor) -> None:
+        """Remove the hook; the parameter's gradient, if any, goes back into its ``.grad`` in its dtype."""
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+        if self.total is not None and not self.fresh and param.grad is None:
+            param.grad = self.total.to(param.dtype)
+        self.total = None
+
+
+def _fits(out: torch.Tensor, grad: torch.Tensor) -> bool:
+    return (
+        type(out) is torch.Tensor
+        and out.dtype == torch.float32
+        and out.shape == grad.shape
+        and out.device == grad.device
+        and out.is_contiguous()
+    )
+
+
+def graph_leaves(output: torch.Tensor) -> list[torch.Tensor]:
+    """The float16/bfloat16 ``nn.Parameter``s whose gradients a backward of ``output`` accumulates (the
+    ``AccumulateGrad`` nodes of its graph)."""
+    found: list[torch.Tensor] = []
+    stack = [output.grad_fn]
+    seen: set[int] = set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            if isinstance(variable, torch.nn.Parameter) and variable.dtype in LOW_PRECISION:
+                found.append(variable)
+            continue
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return found
+
+
+class Accumulation:
+    """The float32 sums of one scaler's low-precision parameters (``Sum`` per parameter)."""
+
+    def __init__(self) -> None:
+        self._sums = WeakIdKeyDictionary()  # parameter -> its Sum
+        self.watching = True  # hooks from the scaled graphs, until the first update() after a binding
+
+    def watch(self, output: Any) -> Any:
+        """At ``scale()``: hook the low-precision parameters of ``output``'s graph (first iteration only)."""
+        if self.watching and isinstance(output, torch.Tensor) and output.grad_fn is not None:
+            for param in graph_leaves(output):
+                self.hook(param)
+        return output
+
+    def hook(self, param: torch.Tensor) -> Sum:
+        """``param``'s ``Sum``, hooked on first sight; a gradient it holds already (accumulated by autograd
+        before the scaler met it) becomes the start of the sum."""
+        found = self._sums.get(param)
+        if found is None or found.handle is None:
+            found = Sum(param, self)
+            found.handle = param.register_post_accumulate_grad_hook(found)
+            self._sums[param] = found
+            if param.grad is not None and param.grad.layout is torch.strided and not param.grad.requires_grad:
+                found(param)
+        return found
+
+    def added(self, params: list[torch.Tensor]) -> None:
+        """A bound optimizer's ``add_param_group``: its new low-precision parameters are hooked now, before
+        their first backward."""
+        for param in params:
+            if isinstance(param, torch.Tensor) and param.dtype in LOW_PRECISION and param.requires_grad:
+                self.hook(param)
+
+    def refuse_sharded(self, params: list[torch.Tensor]) -> None:
+        """Before a binding: ``ValueError`` (``FSDP2_MESSAGE``) if a low-precision parameter among
+        ``params`` is a DTensor (FSDP2's sharded parameters); every hook is removed first."""
+        if any(p.dtype in LOW_PRECISION and type(p) not in (torch.Tensor, torch.nn.Parameter) for p in params):
+            from torch.distributed.tensor import DTensor
+
+            if any(isinstance(p, DTensor) for p in params):
+                for param, found in list(self._sums.items()):
+                    found.release(param)
+                self._sums = WeakIdKeyDictionary()
+                self.watching = False
+                raise ValueError(FSDP2_MESSAGE)
+
+    def bind(self, binding: Binding) -> None:
+        """Hook every parameter of ``binding`` (hooked already or not) and point its sum at its master."""
+        for pair in binding.pairs:
+            found = self.hook(pair.low)
+            if found.master is None or found.master() is not pair.master:
+                found.master = weakref.ref(pair.master)
+
+    def refuse(self, binding: Binding, name: Any, before_step: bool = False) -> None:
+        """``ValueError``, before anything changes, for a parameter whose ``.grad`` is set where its hook
+        leaves None (written by hand, or after ``unscale_``: the step reads the master's), or whose
+        post-accumulate-grad hooks run one after the scaler's. ``name(pair, number)`` names it."""
+        for number, pair in enumerate(binding.pairs):
+            if pair.low.grad is not None:
+                ddp = torch.distributed.is_available() and torch.distributed.is_initialized()
+                raise ValueError(WRITTEN_MESSAGE.format(name=name(pair, number)) + (DDP_MESSAGE_TAIL if ddp else ""))
+            if before_step:
+                continue
+            found = self._sums.get(pair.low)
+            hooks = getattr(pair.low, "_post_accumulate_grad_hooks", None)
+            if found is not None and found.handle is not None and hooks and next(reversed(hooks)) != found.handle.id:
+                raise ValueError(LATER_HOOK_MESSAGE.format(name=name(pair, number)))
+
+    def take(self, binding: Binding) -> None:
+        """The move of an accumulating binding: each master's gradient becomes its parameter's float32 sum
+        of the iteration (None when it got no gradient: not stepped); the scaler's own pass then unscales
+        and checks them as float32 gradients, as torch's scaler does the recipe's copies."""
+        for pair in binding.pairs:
+            found = self._sums.get(pair.low)
+            if found is not None:
+                found.take(pair.master)
+            else:
+                pair.master.grad = None
+            route(pair.low, pair.master)
+
+    def end_iteration(self, bound: set[int]) -> None:
+        """At ``update()``: after the first iteration with a binding, stop hooking from the scaled graphs
+        and give the parameters no optimizer of the scaler binds (``bound``: their ids) back to autograd."""
+        if not self.watching or not bound:
+            return
+        self.watching = False
+        for param, found in list(self._sums.items()):
+            if id(param) not in bound:
+                found.release(param)
+                del self._sums[param]

@@ -1,0 +1,273 @@
+"""``gradscaler bench --sections accumulation``: what ``accumulate_grads_in_fp32=True`` costs and gains.
+
+Every number comes from the library's own path (``GradScaler(master_weights=True)`` with and without
+``accumulate_grads_in_fp32``), nothing summed by hand:
+
+* ``precision``: one float16 or bfloat16 parameter of 1M values (2**18 on the CPU) receives, micro-batch
+  after micro-batch, a gradient exact in its dtype (mean 0.3e-3, spread 1e-3; loss ``(p * g).sum()``), through
+  ``scaler.scale(loss).backward()``; after ``scaler.unscale_`` the master's gradient is compared with the
+  float64 sum of the same gradients (relative error of the whole vector). float16 runs at scale 1024,
+  bfloat16 at scale 1.
+* ``training``: the demo's model (``TinyGPT``, small) in bfloat16 with 64 micro-batches a step, trained
+  with autograd's bfloat16 accumulation and with float32 accumulation, against the same model in float32
+  (torch's scaler at scale 1, float32 accumulation): the loss of each step, and its mean gap.
+* ``memory``: bytes per model parameter (distinct storages of parameters, gradients, masters and their
+  gradients, optimizer state) between micro-batches, in the step (after ``unscale_``) and after the step,
+  for today's masters and with the argument (AdamW).
+* ``time``: milliseconds per micro-batch (forward + backward) of a GPT-shaped bfloat16 model with many
+  parameter tensors, autograd's accumulation against the hooks, run round-robin; the ratio per round.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradscaler import GradScaler
+from gradscaler.tools.harness import spread
+from gradscaler.tools.toy_model import TinyGPT
+
+DTYPES = {"float16": (torch.float16, 1024.0), "bfloat16": (torch.bfloat16, 1.0)}
+MICRO_BATCHES = (8, 64, 256)
+
+
+def _scaler(device: torch.device, accumulate: bool, scale: float) -> GradScaler:
+    return GradScaler(
+        device.type, init_scale=scale, growth_interval=2**30, master_weights=True, accumulate_grads_in_fp32=accumulate
+    )
+
+
+def precision_cell(device: torch.device, dtype_name: str, micro: int, accumulate: bool, numel: int) -> float:
+    """Relative error of the master's unscaled gradient after ``micro`` backward passes."""
+    dtype, scale = DTYPES[dtype_name]
+    param = nn.Parameter(torch.zeros(numel, dtype=dtype, device=device))
+    optimizer = torch.optim.SGD([param], lr=0.0)
+    scaler = _scaler(device, accumulate, scale)
+    gen = torch.Generator().manual_seed(micro)
+    exact = torch.zeros(numel, dtype=torch.float64)
+    for _ in range(micro):
+        grad = (torch.randn(numel, generator=gen) * 1e-3 + 0.3e-3).to(dtype)
+        exact += grad.double()
+        scaler.scale((param * grad.to(device)).sum()).backward()
+    scaler.unscale_(optimizer)
+    (_, master), *_ = scaler.master_weights(optimizer)
+    assert master.grad is not None
+    got = master.grad.double().cpu()
+    return float(torch.linalg.vector_norm(got - exact) / torch.linalg.vector_norm(exact))
+
+
+def precision_section(
+    device: torch.device, numel: int, micro_batches: tuple[int, ...] = MICRO_BATCHES
+) -> list[dict[str, Any]]:
+    """One row per dtype and micro-batch count: the relative error of either accumulation."""
+    rows = []
+    for dtype_name in DTYPES:
+        for micro in micro_batches:
+            low = precision_cell(device, dtype_name, micro, False, numel)
+            fp32 = precision_cell(device, dtype_name, micro, True, numel)
+            rows.append(
+                {"dtype": dtype_name, "micro_batches": micro, "numel": numel, "low_precision": low, "float32": fp32}
+            )
+    return rows
+
+
+def _tiny(dtype: torch.dtype, device: torch.device, width: int = 64, layers: int = 2) -> TinyGPT:
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=256, width=width, layers=layers, heads=4, context=32)
+    for module in model.modules():
+        if not isinstance(module, nn.LayerNorm):  # LayerNorms stay float32, as in the demo
+            for param in module.parameters(recurse=False):
+                param.data = param.data.to(dtype)
+    return model.to(device)
+
+
+def _loss(model: TinyGPT, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1])
+    return nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def _train(device: torch.device, dtype: torch.dtype, accumulate: bool, steps: int, micro: int) -> list[float]:
+    model = _tiny(dtype, device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    scaler: Any = (
+        torch.amp.GradScaler(device.type, init_scale=1.0, growth_interval=2**30)
+        if dtype == torch.float32
+        else _scaler(device, accumulate, 1.0)
+    )
+    gen = torch.Generator().manual_seed(3)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for _ in range(micro):
+            tokens = (torch.arange(33).repeat(2, 1) * torch.randint(1, 8, (2, 1), generator=gen)) % 256
+            loss = _loss(model, tokens.to(device)) / micro
+            scaler.scale(loss).backward()
+            total += float(loss.detach())
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(optimizer)
+        scaler.update()
+        losses.append(total)
+    return losses
+
+
+def training_section(device: torch.device, steps: int = 12, micro: int = 64) -> dict[str, Any]:
+    """Losses of the float32 model and of the bfloat16 one with either accumulation, step by step."""
+    fp32 = _train(device, torch.float32, False, steps, micro)
+    low = _train(device, torch.bfloat16, False, steps, micro)
+    acc = _train(device, torch.bfloat16, True, steps, micro)
+
+    def gap(run: list[float]) -> float:
+        return statistics.fmean(abs(a - b) for a, b in zip(run, fp32, strict=True))
+
+    return {
+        "steps": steps,
+        "micro_batches": micro,
+        "float32_model": fp32,
+        "bfloat16_accumulation": low,
+        "float32_accumulation": acc,
+        "gap_bfloat16_accumulation": gap(low),
+        "gap_float32_accumulation": gap(acc),
+    }
+
+
+def _bytes(tensors: Sequence[torch.Tensor | None], seen: set[tuple[str, int]]) -> int:
+    total = 0
+    for tensor in tensors:
+        if tensor is None:
+            continue
+        storage = tensor.untyped_storage()
+        key = (str(tensor.device), storage.data_ptr())
+        if key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+    return total
+
+
+def _held(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: GradScaler) -> float:
+    """Bytes per model parameter now: parameters, every gradient, masters, optimizer state."""
+    seen: set[tuple[str, int]] = set()
+    params = list(model.parameters())
+    masters = [m for _, m in scaler.master_weights(optimizer)]
+    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    total = _bytes(list(params), seen) + _bytes([p.grad for p in params] + [m.grad for m in masters], seen)
+    total += _bytes(list(masters), seen) + _bytes(state, seen)
+    return total / sum(p.numel() for p in params)
+
+
+def memory_section(device: torch.device, micro: int = 4, width: int = 256, layers: int = 4) -> list[dict[str, Any]]:
+    rows = []
+    for accumulate in (False, True):
+        model = _tiny(torch.float16, device, width=width, layers=layers)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        scaler = _scaler(device, accumulate, 2.0**8)
+        gen = torch.Generator().manual_seed(0)
+        points: dict[str, float] = {}
+        for _ in range(2):  # the second step holds what every later one holds
+            optimizer.zero_grad(set_to_none=True)
+            for k in range(micro):
+                tokens = torch.randint(256, (2, 33), generator=gen).to(device)
+                scaler.scale(_loss(model, tokens) / micro).backward()
+                if k == 1:
+                    points["between_micro_batches"] = _held(model, optimizer, scaler)
+            scaler.unscale_(optimizer)
+            points["in_step"] = _held(model, optimizer, scaler)
+            scaler.step(optimizer)
+            scaler.update()
+            points["after_step"] = _held(model, optimizer, scaler)
+        rows.append({"accumulation": "float32" if accumulate else "autograd (low precision)", **points})
+    return rows
+
+
+def time_section(
+    device: torch.device, rounds: int, micro: int = 8, width: int = 128, layers: int = 12
+) -> dict[str, Any]:
+    systems = []
+    for accumulate in (False, True):
+        model = _tiny(torch.bfloat16, device, width=width, layers=layers)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        systems.append((model, optimizer, _scaler(device, accumulate, 1.0)))
+    tokens = torch.randint(256, (4, 33), generator=torch.Generator().manual_seed(0)).to(device)
+    times: list[list[float]] = [[], []]
+    for round_ in range(rounds + 2):
+        for index, (model, optimizer, scaler) in enumerate(systems):
+            optimizer.zero_grad(set_to_none=True)
+            begin = time.perf_counter()
+            for _ in range(micro):
+                scaler.scale(_loss(model, tokens) / micro).backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            elapsed = (time.perf_counter() - begin) * 1e3 / micro
+            scaler.step(optimizer)
+            scaler.update()
+            if round_ >= 2:  # two warm-up rounds
+                times[index].append(elapsed)
+    ratios = [b / a for a, b in zip(times[0], times[1], strict=True)]
+    tensors = sum(1 for _ in systems[0][0].parameters())
+    return {
+        "tensors": tensors,
+        "params": sum(p.numel() for p in systems[0][0].parameters()),
+        "micro_batches": micro,
+        "autograd_ms": spread(times[0]),
+        "float32_ms": spread(times[1]),
+        "ratio": spread(ratios),
+    }
+
+
+def accumulation_section(device: torch.device, steps: int, warmup: int) -> dict[str, Any]:
+    """Every cell of the four tables (``format``: ``accumulation_lines``)."""
+    return {
+        "precision": precision_section(device, 1_000_000 if device.type == "cuda" else 2**18),
+        "training": training_section(device),
+        "memory": memory_section(device),
+        "time": time_section(device, max(steps, 5)),
+    }
+
+
+def accumulation_lines(r: dict[str, Any]) -> list[str]:
+    lines = [
+        "",
+        "Gradient accumulation (accumulate_grads_in_fp32): relative error of the summed gradient against a "
+        f"float64 sum, {r['precision'][0]['numel']} values, the library's own path:",
+        "",
+        "| parameters | micro-batches | autograd's accumulation | float32 accumulation |",
+        "|---|---|---|---|",
+    ]
+    for row in r["precision"]:
+        scale = " (scale 1024)" if row["dtype"] == "float16" else ""
+        lines.append(
+            f"| {row['dtype']}{scale} | {row['micro_batches']} | {row['low_precision']:.1e} | {row['float32']:.1e} |"
+        )
+    t = r["training"]
+    lines += [
+        "",
+        f"bfloat16 TinyGPT, {t['micro_batches']} micro-batches a step, {t['steps']} steps: mean |loss - loss of the "
+        f"float32 model| {t['gap_bfloat16_accumulation']:.2e} with bfloat16 accumulation, "
+        f"{t['gap_float32_accumulation']:.2e} with float32 accumulation (last loss: float32 model "
+        f"{t['float32_model'][-1]:.4f}, bf16 accumulation {t['bfloat16_accumulation'][-1]:.4f}, "
+        f"fp32 accumulation {t['float32_accumulation'][-1]:.4f}).",
+        "",
+        "| float16 params + masters, AdamW | B/param between micro-batches | in step (after unscale_) | after step |",
+        "|---|---|---|---|",
+    ]
+    for row in r["memory"]:
+        lines.append(
+            f"| {row['accumulation']} | {row['between_micro_batches']:.2f} | {row['in_step']:.2f} | "
+            f"{row['after_step']:.2f} |"
+        )
+    m = r["time"]
+    lines += [
+        "",
+        f"Time per micro-batch (forward + backward), bfloat16 GPT, {m['tensors']} tensors, "
+        f"{m['params'] / 1e6:.1f}M parameters, median [IQR]: autograd's accumulation "
+        f"{m['autograd_ms'][0]:.2f} ms [{m['autograd_ms'][1]:.2f}-{m['autograd_ms'][2]:.2f}], float32 "
+        f"accumulation {m['float32_ms'][0]:.2f} ms [{m['float32_ms'][1]:.2f}-{m['float32_ms'][2]:.2f}]; ratio "
+        f"{m['ratio'][0]:.3f} [{m['ratio'][1]:.3f}-{m['ratio'][2]:.3f}].",
+    ]
+    return lines

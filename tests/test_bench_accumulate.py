@@ -1,0 +1,42 @@
+"""``gradscaler bench --sections accumulation`` (tools/bench_accumulate.py), on sizes a test affords:
+what each cell measures, not how fast."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradscaler.tools import bench_accumulate
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("dtype", list(bench_accumulate.DTYPES))
+def test_precision_cells_tell_the_two_accumulations_apart(dtype: str) -> None:
+    low = bench_accumulate.precision_cell(CPU, dtype, 16, False, 4096)
+    fp32 = bench_accumulate.precision_cell(CPU, dtype, 16, True, 4096)
+    assert low > 1e-4  # rounded at every add in float16/bfloat16
+    assert fp32 < 1e-7  # float32 sums of values exact in their dtype
+
+
+def test_memory_rows_hold_the_float32_sum_instead_of_both_gradients() -> None:
+    """AdamW: parameters 2 + masters 4 + moments 8, plus 2 (float16 gradients) and/or 4 (float32 ones)."""
+    today, accumulating = bench_accumulate.memory_section(CPU, micro=2, width=32, layers=1)
+    assert today["between_micro_batches"] == pytest.approx(2 + 2 + 4 + 8, abs=0.05)
+    assert today["in_step"] == pytest.approx(2 + 2 + 4 + 4 + 8, abs=0.05)
+    assert today["after_step"] == pytest.approx(2 + 4 + 4 + 8, abs=0.05)
+    for point in ("between_micro_batches", "in_step", "after_step"):
+        assert accumulating[point] == pytest.approx(2 + 4 + 4 + 8, abs=0.05)
+
+
+def test_the_section_reports_every_cell() -> None:
+    result = {
+        "precision": bench_accumulate.precision_section(CPU, 1024, (2,)),
+        "training": bench_accumulate.training_section(CPU, steps=2, micro=2),
+        "memory": bench_accumulate.memory_section(CPU, micro=2, width=32, layers=1),
+        "time": bench_accumulate.time_section(CPU, 1, micro=2, width=32, layers=1),
+    }
+    lines = "\n".join(bench_accumulate.accumulation_lines(result))
+    assert lines.count("| float16 (scale 1024) | 2 |") == 1 and lines.count("| bfloat16 | 2 |") == 1
+    assert "| autograd (low precision) |" in lines and "| float32 |" in lines and "ratio" in lines
+    assert len(result["training"]["float32_accumulation"]) == 2

@@ -1,0 +1,220 @@
+"""``patch_torch(master_weights=True, accumulate_grads_in_fp32=True)`` in real clients' accumulation loops:
+nanoGPT's micro-steps, Accelerate's ``accumulate()``, the HF Trainer's ``gradient_accumulation_steps`` and
+Lightning Fabric's ``no_backward_sync`` accumulation.
+
+Each framework's code is unchanged and driven down its CUDA fp16 path on the CPU as in
+tests/test_integration_masters.py. Where the loop lets the recipe be written by hand (an optimizer over
+float32 copies, each backward's gradients added into them in float32: ``recipe.Fp32Copies``), the run
+equals it bit for bit; the Trainer, which does not, must train.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import gradscaler
+from integration_helpers import (
+    EARLY_OVERFLOW,
+    TinyGPT,
+    assert_bit_identical,
+    fresh_accelerate_state,  # noqa: F401 (an autouse fixture)
+    mlp,
+    regression_batches,
+    token_batches,
+)
+from recipe import Fp32Copies
+
+pytestmark = pytest.mark.integration
+MICRO = 4
+
+
+def nanogpt_run(*, by_hand: bool, steps: int = 8, resume_at: int | None = None) -> dict[str, Any]:
+    """nanoGPT's inner loop (``MICRO`` micro-steps, loss divided by their count, its clipping) on a
+    bfloat16 TinyGPT; its scaler line is ``torch.amp.GradScaler(...)``, built while patched (or torch's
+    own over the recipe's float32 copies)."""
+
+    def build() -> tuple[nn.Module, torch.optim.Optimizer, Any, Fp32Copies | None]:
+        torch.manual_seed(0)
+        model = TinyGPT().to(torch.bfloat16)
+        hand = Fp32Copies(model.parameters()) if by_hand else None
+        optimizer = torch.optim.AdamW(hand.params() if hand else list(model.parameters()), lr=3e-3, fused=True)
+        return model, optimizer, torch.amp.GradScaler("cpu", **EARLY_OVERFLOW), hand
+
+    model, optimizer, scaler, hand = build()
+    data = token_batches(MICRO * steps)
+    losses, scales = [], []
+    for it in range(steps):
+        if it == resume_at:
+            buffer = io.BytesIO()
+            torch.save({"m": model.state_dict(), "o": optimizer.state_dict(), "s": scaler.state_dict()}, buffer)
+            buffer.seek(0)
+            checkpoint = torch.load(buffer, weights_only=True)
+            model, optimizer, scaler, hand = build()
+            model.load_state_dict(checkpoint["m"])
+            optimizer.load_state_dict(checkpoint["o"])
+            scaler.load_state_dict(checkpoint["s"])
+        for micro in range(MICRO):
+            x, y = data[MICRO * it + micro]
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                _, loss = model(x, y)
+                loss = loss / MICRO
+            scaler.scale(loss).backward()
+            if hand:
+                hand.accumulate()
+            losses.append(loss.item())
+        if hand:
+            hand.move_grads()
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(hand.params() if hand else model.parameters(), 1.0)
+        scaler.step(optimizer)
+        scaler.update()
+        if hand:
+            hand.copy_back()
+        scales.append(scaler.get_scale())
+        optimizer.zero_grad(set_to_none=True)
+    return {"losses": losses, "scales": scales, "params": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+def test_nanogpt_micro_steps_equal_the_recipe_with_float32_accumulation_and_resume() -> None:
+    reference = nanogpt_run(by_hand=True)
+    with gradscaler.patch_torch(master_weights=True, accumulate_grads_in_fp32=True):
+        run = nanogpt_run(by_hand=False)
+        resumed = nanogpt_run(by_hand=False, resume_at=5)
+    assert sum(reference["losses"][-MICRO:]) < sum(reference["losses"][:MICRO])
+    assert_bit_identical(run, reference)
+    assert_bit_identical(resumed, reference)
+
+
+accelerate = pytest.importorskip("accelerate")
+
+
+def accelerate_run(*, by_hand: bool, steps: int = 64) -> dict[str, Any]:
+    """Accelerate's fp16 path with ``gradient_accumulation_steps=MICRO`` and ``accumulate()`` on a float16
+    MLP: ``optimizer.step()`` and ``zero_grad()`` act on every ``MICRO``-th batch only."""
+    accelerator = accelerate.Accelerator(cpu=True, mixed_precision="fp16", gradient_accumulation_steps=MICRO)
+    accelerator.native_amp = True
+    accelerator.scaler = scaler = torch.amp.GradScaler("cpu", **EARLY_OVERFLOW)
+    model = mlp().half()
+    hand = Fp32Copies(model.parameters()) if by_hand else None
+    optimizer = torch.optim.AdamW(hand.params() if hand else model.parameters(), lr=1e-2, foreach=True)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    losses, scales = [], []
+    for x, y in regression_batches(steps):
+        with accelerator.accumulate(model):
+            loss = torch.nn.functional.mse_loss(model(x.half()).float(), y)
+            accelerator.backward(loss)
+            if hand:
+                hand.accumulate()
+            if accelerator.sync_gradients:
+                if hand:
+                    hand.move_grads()
+                accelerator.clip_grad_norm_(hand.params() if hand else model.parameters(), 1.0)
+            optimizer.step()
+            if hand and accelerator.sync_gradients and not optimizer.step_was_skipped:
+                hand.copy_back()
+            optimizer.zero_grad()
+        losses.append(loss.item())
+        scales.append(scaler.get_scale())
+    return {"losses": losses, "scales": scales, "params": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+def test_accelerate_accumulate_equals_the_recipe_with_float32_accumulation() -> None:
+    from accelerate.state import AcceleratorState
+
+    reference = accelerate_run(by_hand=True)
+    AcceleratorState._reset_state(True)
+    with gradscaler.patch_torch(master_weights=True, accumulate_grads_in_fp32=True):
+        run = accelerate_run(by_hand=False)
+    assert min(reference["scales"]) < EARLY_OVERFLOW["init_scale"]  # an overflow reached the float32 sums
+    initial = mlp().half().state_dict()
+    assert all(not torch.equal(v, initial[k]) for k, v in reference["params"].items())  # steps were applied
+    assert_bit_identical(run, reference)
+
+
+transformers = pytest.importorskip("transformers")
+
+
+def test_hf_trainer_gradient_accumulation_steps_trains(tmp_path: Any) -> None:
+    """``Trainer(fp16=True, gradient_accumulation_steps=MICRO)`` on a tiny GPT-2 in float16: its own
+    clipping (``accelerator.clip_grad_norm_(model.parameters())``) reaches the float32 sums."""
+    import warnings
+
+    from transformers import Trainer, TrainingArguments
+
+    from integration_helpers import tiny_gpt2
+
+    steps = 12
+    model = tiny_gpt2().to(torch.float16)
+    ids = torch.randint(0, 8, (4, 16), generator=torch.Generator().manual_seed(1))
+    data = [{"input_ids": ids[i % 4], "labels": ids[i % 4]} for i in range(steps * 2 * MICRO)]
+    args = TrainingArguments(
+        output_dir=str(tmp_path), fp16=True, use_cpu=True, optim="adamw_torch_fused", learning_rate=3e-3,
+        max_steps=steps, per_device_train_batch_size=2, gradient_accumulation_steps=MICRO, max_grad_norm=1.0,
+        logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True, seed=0, dataloader_num_workers=0,
+    )  # fmt: skip
+    with gradscaler.patch_torch(master_weights=True, accumulate_grads_in_fp32=True):
+        trainer = Trainer(model=model, args=args, train_dataset=data)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            scaler = torch.amp.GradScaler("cpu")
+        trainer.accelerator.native_amp = True
+        trainer.accelerator.scaler = scaler
+        trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    norms = [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
+    assert isinstance(scaler, gradscaler.GradScaler) and scaler._masters._sums is not None
+    assert scaler.stats()["steps"] == steps
+    assert all(loss == loss for loss in losses) and sum(losses[-3:]) < sum(losses[:3]), losses
+    assert norms and all(float(n) > 0 for n in norms if float(n) == float(n))  # the sums' norm, not 0
+    assert all(p.grad is None for p in model.parameters())
+
+
+lightning = pytest.importorskip("lightning")
+
+
+def fabric_run(*, by_hand: bool, steps: int = 10) -> dict[str, Any]:
+    """Lightning Fabric with ``precision="16-true"`` (a float16 model, no scaler of its own) and gradient
+    accumulation as Fabric writes it: ``no_backward_sync`` on all but the last of ``MICRO`` micro-batches,
+    then the step; the scaler is the user's own (``GradScaler`` while patched, or torch's over the
+    recipe's float32 copies)."""
+    fabric = lightning.Fabric(accelerator="cpu", devices=1, precision="16-true")
+    model = fabric.setup_module(mlp(0))
+    hand = Fp32Copies(model.parameters()) if by_hand else None
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(hand.params() if hand else model.parameters(), lr=1e-2))
+    scaler = torch.amp.GradScaler("cpu", **EARLY_OVERFLOW)
+    batches = regression_batches(steps * MICRO)
+    losses, scales = [], []
+    for step in range(steps):
+        for micro in range(MICRO):
+            x, y = batches[step * MICRO + micro]
+            with fabric.no_backward_sync(model, enabled=micro < MICRO - 1):
+                loss = torch.nn.functional.mse_loss(model(x), y) / MICRO
+                fabric.backward(scaler.scale(loss))
+            if hand:
+                hand.accumulate()
+            losses.append(loss.item())
+        if hand:
+            hand.move_grads()
+        scaler.step(optimizer)
+        if hand and not sum(f.item() for f in scaler._found_inf_per_device(optimizer).values()):
+            hand.copy_back()
+        scaler.update()
+        optimizer.zero_grad()
+        scales.append(scaler.get_scale())
+    return {"losses": losses, "scales": scales, "params": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+def test_lightning_fabric_accumulation_equals_the_recipe_with_float32_accumulation() -> None:
+    reference = fabric_run(by_hand=True)
+    with gradscaler.patch_torch(master_weights=True, accumulate_grads_in_fp32=True):
+        run = fabric_run(by_hand=False)
+    assert min(reference["scales"]) < EARLY_OVERFLOW["init_scale"]
+    assert all(v.dtype == torch.float16 for v in reference["params"].values())
+    initial = mlp(0).half().state_dict()
+    assert all(not torch.equal(v, initial[k]) for k, v in reference["params"].items())
+    assert_bit_identical(run, reference)

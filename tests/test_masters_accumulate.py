@@ -1,0 +1,500 @@
+"""``accumulate_grads_in_fp32=True`` against the recipe by hand with float32 accumulation (tests/recipe.py,
+``Fp32Recipe``), bit for bit, in the loop shapes users write: 1, 8 and 64 micro-batches; AdamW, fused
+AdamW, SGD with momentum; no clipping, ``scaler.clip_grad_norm_``, ``unscale_`` + torch's clip over
+``model.parameters()``; every ``zero_grad``; an overflow in one micro-batch; parameters without a gradient
+in some or all micro-batches; a frozen block; ``add_param_group``; a dtype switch; checkpoints between
+steps and in the middle of an accumulation. Then the refusals, each changing nothing.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from gradscaler import GradScaler
+from gradscaler.tools.compiled_step import Shape, breaks, build, drive, inputs, recompiles
+from recipe import (
+    OPTIMIZERS,
+    SCALER_ARGS,
+    Fp32Recipe,
+    Fp32RecipeScalerClips,
+    Ours,
+    OursScalerClips,
+    Recipe,
+    System,
+    assert_same_state,
+    assert_same_trace,
+    fp32_scaler,
+    new_trace,
+    record,
+)
+
+
+class Net(nn.Module):
+    """float16 layers: two experts taking turns by micro-batch (with one micro-batch, each misses every
+    other iteration), a rare block used in the first micro-batch of every third iteration only, a frozen
+    block, a LayerNorm kept in float32, and a head."""
+
+    def __init__(self, seed: int = 0, dtype: torch.dtype = torch.float16) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inp = nn.Linear(8, 16).to(dtype)
+        self.experts = nn.ModuleList(nn.Linear(16, 16).to(dtype) for _ in range(2))
+        self.rare = nn.Linear(16, 16).to(dtype)
+        self.frozen = nn.Linear(16, 16).to(dtype).requires_grad_(False)
+        self.norm = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 4).to(dtype)
+        self.extra: nn.Module | None = None  # added with add_param_group
+
+    def forward(self, x: torch.Tensor, step: int, micro: int) -> torch.Tensor:
+        dtype = self.inp.weight.dtype
+        h = torch.relu(self.inp(x.to(dtype)))
+        h = self.experts[(step + micro) % 2](h)
+        if step % 3 == 1 and micro == 0:
+            h = h + self.rare(h)
+        h = self.frozen(h)
+        if self.extra is not None:
+            h = h + self.extra(h)
+        h = self.norm(h.float()).to(dtype)
+        return self.head(h)
+
+
+def batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    return torch.randn(8, 8, generator=g) * 3, torch.randn(8, 4, generator=g)
+
+
+def micro_loss(system: System, step: int, micro: int, count: int) -> torch.Tensor:
+    x, y = batch(step, micro)
+    return ((system.model(x, step, micro).float() - y) ** 2).mean() / count
+
+
+def run(
+    system: System,
+    steps: range,
+    micro: int,
+    trace: dict[str, list[Any]],
+    *,
+    zero: str = "optimizer",
+    set_to_none: bool = True,
+    clip: float | None = None,
+    overflow: tuple[int, int] | None = None,
+    skip: tuple[int, range] | None = None,
+    between: Any = None,
+) -> dict[str, list[Any]]:
+    """A loop of ``micro`` micro-batches per step. ``overflow``: (step, micro-batch) whose loss is made
+    inf; ``skip``: (step, micro-batches) left out; ``between(system, step)`` runs after each update."""
+    for step in steps:
+        system.zero_grad(zero, set_to_none)
+        for k in range(micro):
+            if skip is not None and step == skip[0] and k in skip[1]:
+                continue
+            loss = micro_loss(system, step, k, micro)
+            if overflow == (step, k):
+                loss = loss * float("inf")
+            system.backward(loss)
+        if clip is not None:
+            system.clip(clip)
+        system.step()
+        system.update()
+        record(system, trace)
+        if between is not None:
+            between(system, step)
+    return trace
+
+
+def pair(name: str, clip: str = "none", dtype: torch.dtype = torch.float16) -> tuple[Ours, Fp32Recipe]:
+    make = OPTIMIZERS[name]
+    if clip == "scaler":
+        reference = Fp32RecipeScalerClips(Net(dtype=dtype), make, GradScaler("cpu", **SCALER_ARGS))
+        return OursScalerClips(Net(dtype=dtype), make, fp32_scaler()), reference
+    return Ours(Net(dtype=dtype), make, fp32_scaler()), Fp32Recipe(Net(dtype=dtype), make)
+
+
+def assert_same(ours: Ours, reference: Recipe, steps: range, micro: int, **loop: Any) -> None:
+    a = run(ours, steps, micro, new_trace(), **loop)
+    b = run(reference, steps, micro, new_trace(), **loop)
+    assert_same_trace(a, b)
+    assert_same_state(ours.optimizer, reference.optimizer)
+
+
+CLIPS = {"none": None, "scaler": 1.0, "torch": 1.0}
+
+
+@pytest.mark.parametrize("micro", [1, 8])
+@pytest.mark.parametrize("clip", list(CLIPS))
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_micro_batches_equal_the_recipe_with_float32_accumulation(name: str, clip: str, micro: int) -> None:
+    ours, reference = pair(name, clip)
+    assert_same(ours, reference, range(8), micro, clip=CLIPS[clip])
+
+
+@pytest.mark.parametrize(("name", "clip"), [("adamw_fused", "scaler"), ("sgd_momentum_forloop", "torch")])
+def test_sixty_four_micro_batches_equal_the_recipe(name: str, clip: str) -> None:
+    ours, reference = pair(name, clip)
+    assert_same(ours, reference, range(4), 64, clip=CLIPS[clip])
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+@pytest.mark.parametrize("zero", ["optimizer", "model"])
+def test_every_zero_grad_equals_the_recipe(zero: str, set_to_none: bool) -> None:
+    ours, reference = pair("adamw_foreach", "torch")
+    assert_same(ours, reference, range(7), 8, zero=zero, set_to_none=set_to_none, clip=1.0)
+
+
+def test_bfloat16_parameters_equal_the_recipe() -> None:
+    ours, reference = pair("adamw_foreach", "scaler", torch.bfloat16)
+    assert_same(ours, reference, range(6), 8, clip=1.0)
+
+
+def test_the_sum_differs_from_low_precision_accumulation() -> None:
+    """The oracle can fail: today's masters (float16 accumulation by autograd) differ from it."""
+    make = OPTIMIZERS["adamw_foreach"]
+    low = Ours(Net(), make, GradScaler("cpu", master_weights=True, **SCALER_ARGS))
+    with pytest.raises(AssertionError):
+        assert_same_trace(run(low, range(6), 8, new_trace()), run(Fp32Recipe(Net(), make), range(6), 8, new_trace()))
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_an_overflow_in_one_micro_batch_skips_the_step_and_the_next_starts_clean(name: str) -> None:
+    ours, reference = pair(name)
+    assert_same(ours, reference, range(8), 8, overflow=(5, 3))
+    assert ours.scaler.stats()["skipped_steps"] >= 1
+
+
+def test_a_parameter_without_gradient_is_not_stepped() -> None:
+    """``rare`` has a gradient in one micro-batch of every third iteration only: the others leave it (and
+    its AdamW state) untouched, as issue 24's rule wants."""
+    ours, _ = pair("adamw_foreach")
+    run(ours, range(6), 4, new_trace())
+    before = ours.model.rare.weight.detach().clone()
+    run(ours, range(6, 7), 4, new_trace())  # step 6: 6 % 3 == 0, no gradient for rare
+    assert torch.equal(before, ours.model.rare.weight)
+    low = [p for p in ours.model.parameters() if p.dtype == torch.float16]
+    assert low and all(p.grad is None for p in low)  # after backward: the sums are in the masters
+
+
+def add_extra(system: System, step: int) -> None:
+    """After step 2, a new float16 block joins the model and the optimizer (a new param group)."""
+    if step != 2:
+        return
+    torch.manual_seed(5)
+    extra = nn.Linear(16, 16).to(system.model.inp.weight.dtype)
+    system.model.extra = extra
+    params = list(extra.parameters())
+    if isinstance(system, Recipe):
+        copies = [(p, p.detach().float().requires_grad_()) for p in params]
+        system.copies.pairs.extend(copies)
+        system.optimizer.add_param_group({"params": [c for _, c in copies]})
+    else:
+        system.optimizer.add_param_group({"params": params})
+
+
+@pytest.mark.parametrize("name", ["adamw_foreach", "adamw_fused"])
+def test_add_param_group_equals_the_recipe(name: str) -> None:
+    ours, reference = pair(name, "torch")
+    assert_same(ours, reference, range(7), 8, clip=1.0, between=add_extra)
+
+
+def switch_dtype(system: System, step: int) -> None:
+    if step == 3:  # every float16 layer to bfloat16; the LayerNorm stays in float32
+        model = system.model
+        for module in (model.inp, model.experts, model.rare, model.frozen, model.head):
+            module.to(torch.bfloat16)
+
+
+def test_a_dtype_switch_between_steps_equals_the_recipe() -> None:
+    ours, reference = pair("adamw_foreach", "scaler")
+    assert_same(ours, reference, range(7), 8, clip=1.0, between=switch_dtype)
+
+
+def save(system: System) -> bytes:
+    buffer = io.BytesIO()
+    states = [system.model.state_dict(), system.optimizer.state_dict(), system.scaler.state_dict()]
+    torch.save(states, buffer)
+    return buffer.getvalue()
+
+
+def resumed(blob: bytes, name: str) -> Ours:
+    model_state, optimizer_state, scaler_state = torch.load(io.BytesIO(blob), weights_only=True)
+    system = Ours(Net(seed=9), OPTIMIZERS[name], fp32_scaler())
+    system.model.load_state_dict(model_state)
+    system.optimizer.load_state_dict(optimizer_state)
+    system.scaler.load_state_dict(scaler_state)
+    return system
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_resume_between_steps_into_fresh_objects_is_the_uninterrupted_run(name: str) -> None:
+    whole = run(Ours(Net(), OPTIMIZERS[name], fp32_scaler()), range(8), 8, new_trace())
+    first = Ours(Net(), OPTIMIZERS[name], fp32_scaler())
+    head = run(first, range(5), 8, new_trace())
+    tail = run(resumed(save(first), name), range(5, 8), 8, new_trace())
+    assert_same_trace({k: head[k] + tail[k] for k in head}, whole)
+
+
+def test_a_save_mid_accumulation_loses_the_partial_sum_as_the_recipe_does() -> None:
+    """A checkpoint holds no gradients: resumed after micro-batch 3 of 8, the step sums the last five
+    only (the recipe by hand loses its copies' partial sums too); the run that saved goes on unchanged."""
+    name = "adamw_foreach"
+    first = Ours(Net(), OPTIMIZERS[name], fp32_scaler())
+    head = run(first, range(4), 8, new_trace())
+    for k in range(3):
+        first.backward(micro_loss(first, 4, k, 8))
+    blob = save(first)
+    # the saving run goes on as if nothing happened
+    rest = run(first, range(4, 6), 8, new_trace(), skip=(4, range(3)))
+    whole = run(Ours(Net(), OPTIMIZERS[name], fp32_scaler()), range(6), 8, new_trace())
+    assert_same_trace({k: head[k] + rest[k] for k in head}, whole)
+    # the resumed one: step 4 without its first three micro-batches, as the recipe that drops them
+    again = run(resumed(blob, name), range(4, 6), 8, new_trace(), skip=(4, range(3)))
+    reference = run(Fp32Recipe(Net(), OPTIMIZERS[name]), range(6), 8, new_trace(), skip=(4, range(3)))
+    assert_same_trace({k: head[k] + again[k] for k in head}, reference)
+
+
+def test_the_argument_without_master_weights_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"accumulate_grads_in_fp32=True\) needs master_weights=True"):
+        GradScaler("cpu", accumulate_grads_in_fp32=True)
+
+
+def trained_once(micro: int = 2) -> Ours:
+    ours = Ours(Net(), OPTIMIZERS["adamw_foreach"], fp32_scaler(init_scale=2.0**8))
+    run(ours, range(2), micro, new_trace())
+    return ours
+
+
+def masters_and_grads(system: Ours) -> list[torch.Tensor]:
+    return [t.detach().clone() for t in system.trained()] + [
+        m.grad.clone() for m in system.trained() if m.grad is not None
+    ]
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_a_gradient_written_by_hand_is_refused_at_the_step_changing_nothing() -> None:
+    ours = trained_once()
+    ours.zero_grad("optimizer", True)
+    ours.backward(micro_loss(ours, 2, 0, 1))
+    ours.model.head.weight.grad = torch.ones_like(ours.model.head.weight)
+    before = masters_and_grads(ours)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[\d+\] \(shape \(4, 16\).*by hand"):
+        ours.step()
+    assert same(before, masters_and_grads(ours))
+    ours.model.head.weight.grad = None  # the fix: the step then goes on with the sums
+    ours.step()
+    ours.update()
+
+
+def test_a_write_after_unscale_is_refused_at_the_step() -> None:
+    ours = trained_once()
+    ours.zero_grad("optimizer", True)
+    ours.backward(micro_loss(ours, 2, 0, 1))
+    ours.unscale_()
+    assert all(p.grad is None for p in ours.model.parameters() if p.dtype == torch.float16)
+    ours.model.inp.bias.grad = torch.zeros_like(ours.model.inp.bias)
+    with pytest.raises(ValueError, match=r"after scaler\.unscale_"):
+        ours.step()
+
+
+def test_sparse_gradients_are_refused_in_the_backward_adding_nothing() -> None:
+    embedding = nn.Embedding(10, 4, sparse=True).half()
+    scaler = fp32_scaler()
+    tokens = torch.tensor([1, 2, 3])
+    with pytest.raises(ValueError, match=r"shape \(10, 4\).*is sparse.*sparse=False"):
+        scaler.scale(embedding(tokens).float().sum()).backward()
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+def test_a_create_graph_backward_is_refused() -> None:
+    ours = Ours(Net(), OPTIMIZERS["adamw_foreach"], fp32_scaler())
+    with pytest.raises(RuntimeError, match="create_graph=True"):
+        ours.scaler.scale(micro_loss(ours, 0, 0, 1)).backward(create_graph=True)
+
+
+def test_a_retain_graph_double_backward_counts_twice_as_in_the_recipe() -> None:
+    """Two backward calls through one retained graph are two gradients: each added into the float32 sum,
+    as the recipe by hand adds after every backward."""
+
+    def twice(system: System) -> None:
+        for step in range(4):
+            system.zero_grad("optimizer", True)
+            loss = micro_loss(system, step, 0, 2)
+            system.scaler.scale(loss).backward(retain_graph=True)
+            if isinstance(system, Recipe):
+                system.copies.accumulate()
+            system.backward(loss)
+            system.step()
+            system.update()
+
+    ours, reference = pair("adamw_foreach")
+    twice(ours)
+    twice(reference)
+    assert same([p.detach() for p in ours.model.parameters()], [p.detach() for p in reference.model.parameters()])
+    assert_same_state(ours.optimizer, reference.optimizer)
+
+
+def test_user_hooks_before_the_scalers_see_each_micro_batch_and_after_are_refused() -> None:
+    ours = Ours(Net(), OPTIMIZERS["adamw_foreach"], fp32_scaler(init_scale=2.0**8))
+    seen: list[Any] = []
+    weight = ours.model.head.weight
+    weight.register_post_accumulate_grad_hook(lambda p: seen.append(None if p.grad is None else p.grad.clone()))
+    for k in range(3):
+        loss = micro_loss(ours, 0, k, 3)
+        expected = torch.autograd.grad(ours.scaler.scale(loss), weight, retain_graph=True)[0]
+        ours.backward(loss)
+        assert torch.equal(seen[-1], expected)  # this micro-batch's gradient alone, in float16
+    ours.step()
+    ours.update()
+    late: list[Any] = []
+    ours.model.inp.weight.register_post_accumulate_grad_hook(lambda p: late.append(p.grad))
+    ours.backward(micro_loss(ours, 1, 0, 1))
+    assert late == [None]
+    before = masters_and_grads(ours)
+    with pytest.raises(ValueError, match="registered after the scaler's own"):
+        ours.step()
+    assert same(before, masters_and_grads(ours))
+
+
+def test_what_to_read_instead_of_p_grad() -> None:
+    """After backward ``p.grad`` is None; the scaled float32 sum is the master's gradient
+    (``scaler.master_weights(optimizer)``), and torch's clip over ``model.parameters()`` reaches it."""
+    ours = trained_once()
+    ours.zero_grad("optimizer", True)
+    for k in range(4):
+        ours.backward(micro_loss(ours, 2, k, 4))
+    pairs = ours.scaler.master_weights(ours.optimizer)
+    assert pairs and all(p.grad is None for p, _ in pairs)
+    sums = {id(p): m.grad.clone() for p, m in pairs if m.grad is not None}
+    assert sums
+    ours.scaler.unscale_(ours.optimizer)
+    scale = ours.scaler.get_scale()
+    for p, m in pairs:
+        if id(p) in sums:
+            assert torch.equal(m.grad, sums[id(p)] * (1 / scale))
+    by_hand = torch.linalg.vector_norm(
+        torch.stack([torch.linalg.vector_norm(t.grad) for t in ours.trained() if t.grad is not None])
+    )
+    norm = torch.nn.utils.clip_grad_norm_(ours.model.parameters(), 1e-3)
+    assert torch.allclose(norm, by_hand) and norm > 1e-2  # the masters' sums, clipped
+    after = [torch.linalg.vector_norm(t.grad) for t in ours.trained() if t.grad is not None]
+    assert torch.allclose(torch.linalg.vector_norm(torch.stack(after)), torch.tensor(1e-3), rtol=1e-3)
+
+
+def test_default_off_leaves_the_parameters_gradients_to_autograd() -> None:
+    ours = Ours(Net(), OPTIMIZERS["adamw_foreach"], GradScaler("cpu", master_weights=True, **SCALER_ARGS))
+    ours.backward(micro_loss(ours, 0, 0, 1))
+    assert ours.model.head.weight.grad is not None
+    assert not ours.model.head.weight._post_accumulate_grad_hooks
+
+
+def test_a_parameter_no_optimizer_steps_gets_its_gradient_back_after_the_first_iteration() -> None:
+    model = Net()
+    optimizer = torch.optim.SGD(model.head.parameters(), lr=0.1)
+    scaler = fp32_scaler(init_scale=1.0)
+    for k in range(2):
+        scaler.scale(micro_loss(Ours(model, lambda p: optimizer, scaler), 0, k, 2)).backward()
+    assert model.inp.weight.grad is None  # hooked from the graph: summed in float32 until the update
+    scaler.step(optimizer)
+    scaler.update()
+    assert model.inp.weight.grad is not None and model.inp.weight.grad.dtype == torch.float16
+    assert not model.inp.weight._post_accumulate_grad_hooks  # handed back to autograd
+    assert model.head.weight._post_accumulate_grad_hooks
+
+
+def test_patch_torch_builds_accumulating_scalers_that_equal_the_recipe() -> None:
+    import gradscaler
+
+    make = OPTIMIZERS["adamw_foreach"]
+    with gradscaler.patch_torch(master_weights=True, accumulate_grads_in_fp32=True):
+        scaler = torch.amp.GradScaler("cpu", **SCALER_ARGS)
+        ours = Ours(Net(), make, scaler)
+        trace = run(ours, range(4), 8, new_trace(), clip=1.0)
+    assert isinstance(scaler, GradScaler) and scaler._masters._sums is not None
+    assert_same_trace(trace, run(Fp32Recipe(Net(), make), range(4), 8, new_trace(), clip=1.0))
+
+
+def test_patch_torch_refuses_accumulation_without_masters_and_other_settings() -> None:
+    import gradscaler
+
+    with pytest.raises(ValueError, match=r"patch_torch\(accumulate_grads_in_fp32=True\) needs master_weights"):
+        gradscaler.patch_torch(accumulate_grads_in_fp32=True)
+    assert not gradscaler.is_torch_patched()
+    with gradscaler.patch_torch(master_weights=True), pytest.raises(ValueError, match=r"unpatch_torch\(\) first"):
+        gradscaler.patch_torch(master_weights=True, accumulate_grads_in_fp32=True)
+
+
+class Mlp(nn.Module):
+    """float16 layers around a float32 LayerNorm, one forward for every micro-batch (nothing to recompile)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(8, 16).half()
+        self.norm = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 4).half()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(torch.relu(self.inp(x.half())).float()).half())
+
+
+def compiled_loop(system: System, steps: int, micro: int) -> dict[str, list[Any]]:
+    trace = new_trace()
+    compiled = torch.compile(system.model, backend="aot_eager")
+    for step in range(steps):
+        system.zero_grad("optimizer", True)
+        for k in range(micro):
+            x, y = batch(step, k)
+            system.backward(((compiled(x).float() - y) ** 2).mean() / micro)
+        system.clip(1.0)
+        system.step()
+        system.update()
+        record(system, trace)
+    return trace
+
+
+def test_a_compiled_model_with_the_eager_step_equals_the_recipe() -> None:
+    """``torch.compile(model)`` (aot_eager: the graphs inductor would get, run without a C compiler): the
+    compiled backward's gradients reach the parameters through autograd's ``AccumulateGrad``, so the
+    hooks and the walk at ``scale()`` see them as in eager mode."""
+    make = OPTIMIZERS["adamw_fused"]
+    torch._dynamo.reset()
+    ours = compiled_loop(Ours(Mlp(), make, fp32_scaler()), 4, 4)
+    torch._dynamo.reset()
+    reference = compiled_loop(Fp32Recipe(Mlp(), make), 4, 4)
+    assert_same_trace(ours, reference)
+
+
+ACCUMULATING = [
+    Shape(False, "none", True, True),
+    Shape(False, "unscale", True, True),
+    Shape(True, "scaler", True, True),
+]
+
+
+@pytest.mark.parametrize("shape", ACCUMULATING, ids=lambda s: s.name)
+def test_the_whole_step_compiled_keeps_no_recompile_and_no_more_breaks(shape: Shape) -> None:
+    """tests/test_compiled.py's counting (``gradscaler.tools.compiled_step``) with the argument on: over 60
+    steps whose scale grows and backs off, no recompile and the recipe's bits (one backward a step: the
+    recipe by hand with float32 accumulation is the plain one); the graph breaks are those of the same
+    shape without the argument."""
+    torch._dynamo.reset()
+    theirs = build(shape, ours=False)
+    drive(theirs, inputs(60), "aot_eager")
+    torch._dynamo.reset()
+    ours = build(shape, ours=True)
+    with recompiles() as messages:
+        drive(ours, inputs(60), "aot_eager")
+    assert list(messages) == []
+    assert all(torch.equal(a, b) for a, b in zip(ours.state(), theirs.state(), strict=True))
+    counted = {}
+    for accumulate in (False, True):
+        torch._dynamo.reset()
+        plain = Shape(shape.fused, shape.clip, True, accumulate)
+        counted[accumulate] = [(b.reason, b.in_library) for b in breaks(build(plain, ours=True), inputs(2))]
+    assert counted[True] == counted[False]
