@@ -11,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 DEMO_STAMP := $(VENV)/.demo-installed
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench gpu-test gpu-check clean
+.PHONY: demo test test-triton-ends lint bench gpu-test gpu-check clean
 
 $(DEMO_STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,26 @@ lint: $(STAMP)
 # One line per test file with the share of the suite done at its end, so that slow is not taken for hung.
 test: $(STAMP) lint
 	$(BIN)/python -m pytest
+	$(MAKE) --no-print-directory test-triton-ends
+
+# Both ends of the Triton range pyproject promises: 3.7.1, what torch 2.13's CUDA build pins (so what
+# every GPU user of it runs the kernels with), and 3.9.0, the newest. .venv holds whichever pip chose
+# (3.9.0 beside torch's CPU build, 3.7.1 beside its CUDA build) and the run above tested it; the other
+# end is installed apart (Triton alone, in .venv/triton-VERSION) and put first on the path to compile
+# the kernels for every target and run them in Triton's interpreter again.
+TRITON_ENDS ?= 3.7.1 3.9.0
+KERNEL_TESTS := tests/test_kernel_compile.py tests/test_kernels.py tests/test_move_kernel.py tests/test_kernel_fallback.py
+test-triton-ends: $(STAMP)
+	@have=$$($(BIN)/python -c "import triton; print(triton.__version__)"); \
+	for v in $(TRITON_ENDS); do \
+		if [ "$$v" = "$$have" ]; then echo "Triton $$v: .venv's, tested above"; continue; fi; \
+		dir=$(VENV)/triton-$$v; \
+		test -f $$dir/.installed || { $(BIN)/pip install --quiet --no-deps --target $$dir "triton==$$v" && touch $$dir/.installed; } || exit 1; \
+		got=$$(PYTHONPATH=$$dir $(BIN)/python -c "import triton; print(triton.__version__)"); \
+		test "$$got" = "$$v" || { echo "$$dir holds Triton $$got, not $$v: remove it and rerun"; exit 1; }; \
+		echo "Triton $$v: the kernel tests again ($(KERNEL_TESTS))"; \
+		PYTHONPATH=$$dir $(BIN)/python -m pytest -q -p no:cacheprovider $(KERNEL_TESTS) || exit 1; \
+	done
 
 bench: $(STAMP)
 	$(BIN)/gradscaler bench
