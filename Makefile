@@ -2,9 +2,12 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# The CPU build of torch that lies on disk on these machines; with a GPU, install torch your usual way
-# first (e.g. `make TORCH_SPEC=torch`) or in your own environment: `pip install -e .[dev]`.
+# torch 2.13.0: from PyPI pip takes its CUDA build on Linux (about 5 GB installed, Triton 3.7.1 pinned),
+# the build a GPU needs; on a machine without a GPU, TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# takes PyTorch's CPU build instead (a 192 MB wheel, about 1 GB installed). Any other torch:
+# `make TORCH_SPEC=torch`, or your own environment: `pip install -e .[dev]`.
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
 # Two stamps in one .venv: the demo's (torch, gradscaler, matplotlib) and, on top of it, the test
 # set-up's (dev tools, Triton, the frameworks the integration tests drive). `make demo` installs only
 # the first; `make test` both.
@@ -16,7 +19,7 @@ STAMP := $(VENV)/.installed
 $(DEMO_STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)") "$(TORCH_SPEC)"
 	$(BIN)/pip install --quiet -e ".[plot]"
 	touch $(DEMO_STAMP)
 
@@ -27,8 +30,13 @@ $(STAMP): $(DEMO_STAMP)
 	$(BIN)/pip install --quiet --no-deps timm==1.0.31
 	touch $(STAMP)
 
+# README's demo numbers were recorded with the float16 kernels of an x86 CPU without AVX-512; on every
+# x86 CPU make demo asks for those kernels, so that it prints README's numbers there too. On an
+# AVX-512 machine that costs time: 181-193 s against 117-118 s unpinned, two runs each at load 10-12
+# (benchmarks/results/demo-isa-cpu.txt). Elsewhere (ARM, a GPU) the variables change nothing.
+DEMO_ISA := $(if $(filter x86_64 amd64,$(shell uname -m)),ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2)
 demo: $(DEMO_STAMP)
-	$(BIN)/gradscaler demo
+	$(DEMO_ISA) $(BIN)/gradscaler demo
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples docs

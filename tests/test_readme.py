@@ -149,3 +149,55 @@ def test_readme_links_to_its_own_sections_resolve() -> None:
     }
     links = set(re.findall(r"\]\(#([^)]+)\)", README))
     assert links and links <= anchors, links - anchors
+
+
+def git_url_block() -> str:
+    """README's block that installs from the git URL ``git remote get-url origin`` prints."""
+    (block,) = [b for b in re.findall(r"```sh\n(.*?)```", README, flags=re.S) if "git remote get-url origin" in b]
+    return block
+
+
+@pytest.mark.parametrize(
+    ("origin", "requirement"),
+    [
+        ("https://github.com/o/gradscaler.git", "gradscaler[plot] @ git+https://github.com/o/gradscaler.git"),
+        ("git@github.com:o/gradscaler.git", "gradscaler[plot] @ git+ssh://git@github.com/o/gradscaler.git"),
+        ("/srv/git/gradscaler", "gradscaler[plot] @ git+file:///srv/git/gradscaler"),
+    ],
+    ids=["https", "scp-like", "path"],
+)
+def test_readme_git_url_block_turns_each_origin_form_into_a_url_pip_takes(
+    origin: str, requirement: str, tmp_path: Path
+) -> None:
+    """The block as pasted into sh, with ``git`` answering one of the forms and ``pip`` echoing its words."""
+    fake = tmp_path / "git"
+    fake.write_text(f"#!/bin/sh\necho '{origin}'\n")
+    fake.chmod(0o755)
+    script = "pip() { printf '%s\\n' \"$@\"; }\n" + git_url_block()
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin"}
+    done = subprocess.run(["sh", "-c", script], capture_output=True, text=True, env=env, check=True)
+    assert done.stdout.splitlines() == ["install", requirement], done.stdout
+
+
+def test_readme_git_url_block_installs_from_a_clone_path(tmp_path: Path) -> None:
+    """The path form for real, in a clone whose origin is this repository's path (as a clone of a folder
+    has): pip resolves ``git+file://`` to gradscaler (its metadata built; nothing installed), where the
+    bare path after ``git+`` fails."""
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(tmp_path / "clone")], check=True)
+    script = git_url_block().replace("pip install", f"{shlex.quote(sys.executable)} -m pip install --dry-run --no-deps")
+    done = subprocess.run(["sh", "-c", script], cwd=tmp_path / "clone", capture_output=True, text=True, check=False)
+    assert done.returncode == 0 and "Would install gradscaler-" in done.stdout, done.stdout + done.stderr
+
+
+def test_make_demo_pins_the_kernels_the_record_was_made_with() -> None:
+    """README's numbers are what ``make demo`` prints on an x86 CPU: the Makefile sets, on x86, the variables
+    the record's command names, and README says so (with what it costs on an AVX-512 CPU)."""
+    meta = recorder.read_record()["meta"]
+    pins = [word for word in meta["command"].split() if "=" in word]
+    assert pins == ["ATEN_CPU_CAPABILITY=avx2", "ONEDNN_MAX_CPU_ISA=AVX2"], meta["command"]
+    makefile = (ROOT / "Makefile").read_text()
+    (isa,) = re.findall(r"(?m)^DEMO_ISA := \$\(if \$\(filter x86_64 amd64,\$\(shell uname -m\)\),(.*)\)$", makefile)
+    assert isa.split() == pins
+    assert re.search(r"(?m)^demo: .*\n\t\$\(DEMO_ISA\) \$\(BIN\)/gradscaler demo$", makefile)
+    assert "what `make demo` runs" in recorder.block(README, "demo-record")
+    assert f"(`{' '.join(pins)}`)" in README
