@@ -48,6 +48,7 @@ INSIDE: dict[str, dict[str, int]] = {
     "masters": {"checks": 0, "checkpoint": 0, "pairs": 1, "wrappers": 1, "lifecycle": 2, "__init__": 3},
     "record": {
         "telemetry": 0,
+        "logfile": 0,
         "logsummary": 1,
         "monitor": 1,
         "scalerlog": 2,
