@@ -162,4 +162,4 @@ def test_demo_progress_shows_the_time_left(monkeypatch: pytest.MonkeyPatch, caps
         clock.step()
     assert clock.left() == pytest.approx(6 * 0.1 + 3 * 10 * 0.1)  # its 6 steps left, then three runs like it
     demo_progress.bar("fp16, no scaling", 4, 10, 2.5, begin, clock)
-    assert "4/10 loss 2.500  10.0 it/s  1s left, demo 4s" in capsys.readouterr().err
+    assert "4/10 loss 2.500  10.0 it/s  1s left of this run, 4s of the demo" in capsys.readouterr().err
