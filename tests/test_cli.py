@@ -133,7 +133,7 @@ def test_quick_matrix_reports_every_cell(tmp_path: Path, capsys: pytest.CaptureF
     argv = ["bench", "--device", "cpu", "--sections", "matrix", "--quick", "--steps", "1", "--warmup", "1"]
     assert cli.main([*argv, "--out", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "| many small (200 x 256) | fused AdamW | no |" in out and "step phase share" in out
+    assert "| many small (50 x 256) | fused AdamW | no |" in out and "step phase share" in out
     matrix = json.loads(path.read_text())["matrix"]
     assert len(matrix["cells"]) == 4 * 6 * 2  # shapes x optimizers x clip, every cell reported
     timed = [c for c in matrix["cells"] if "skipped" not in c]
