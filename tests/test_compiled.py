@@ -56,6 +56,25 @@ def test_no_recompile_and_same_bits(shape: Shape, compiled_runs: Runs) -> None:
     assert_same(ours, theirs)
 
 
+def test_two_runs_compiled_in_one_process_keep_their_own_caches() -> None:
+    """As ``gradscaler bench --sections compile`` runs them: torch's step and ours compiled side by side,
+    called in turn. Each step has its own code object, so Dynamo keeps one cache entry on each; sharing
+    one code object, they kept both entries in one cache, and each call looked through the other's."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    shape = Shape(fused=True, clip="scaler")
+    runs = [build(shape, ours) for ours in (False, True)]
+    steps = [torch.compile(run.step, backend="eager") for run in runs]
+    for x, bad in inputs(6, overflow_every=3):
+        for step in steps:
+            step(x, bad)
+    codes = [run.step.__code__ for run in runs]
+    assert [len(_debug_get_cache_entry_list(code)) for code in codes] == [1, 1]  # shared: [2, 2]
+    assert codes[0] is not codes[1]
+    assert [code.co_name for code in codes] == ["step_torch", "step_gradscaler"]
+    assert [run.scaler.get_scale() for run in runs] == [2.0**14] * 2  # both ran: two overflows, two backoffs
+
+
 def test_the_run_moves_the_scale_both_ways() -> None:
     """The steps above are the ones the issue asks for: the scale grows and backs off, several times."""
     run = build(SHAPES[0], ours=True)

@@ -25,24 +25,24 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "gradscaler"
 
 LAYERS: dict[str, int] = {
     "errors": 0,
-    "rule": 0,
-    "distributed": 0,
-    "kernels": 0,
-    "stale": 0,
-    "compiled": 0,
-    "grads": 1,
-    "record": 2,
-    "masters": 2,
-    "fused": 2,
-    "clipping": 2,
-    "torch_surface": 2,
-    "checkpoint": 3,
-    "scaler": 4,
-    "drop_in": 5,
-    "frameworks": 5,
-    "__init__": 6,
-    "tools": 7,
-    "__main__": 8,
+    "rule": 1,
+    "distributed": 1,
+    "kernels": 1,
+    "stale": 1,
+    "compiled": 1,
+    "grads": 2,
+    "record": 3,
+    "masters": 3,
+    "fused": 3,
+    "clipping": 3,
+    "torch_surface": 3,
+    "checkpoint": 4,
+    "scaler": 5,
+    "drop_in": 6,
+    "frameworks": 6,
+    "__init__": 7,
+    "tools": 8,
+    "__main__": 9,
 }
 INSIDE: dict[str, dict[str, int]] = {
     "masters": {"checks": 0, "checkpoint": 0, "pairs": 1, "wrappers": 1, "lifecycle": 2, "__init__": 3},
@@ -245,11 +245,12 @@ def package_with(tmp_path: Path, module: str, line: str) -> Path:
 @pytest.mark.parametrize(
     ("module", "line", "expected"),
     [
-        ("clipping.py", "from gradscaler.scaler import GradScaler", "clipping (layer 2) imports scaler"),
+        ("clipping.py", "from gradscaler.scaler import GradScaler", "clipping (layer 3) imports scaler"),
         ("record/monitor.py", "def f(scaler):\n    return scaler._scale", "touches a scaler private"),
         ("grads.py", "def f():\n    from gradscaler import rule", "function-level import of rule"),
-        ("record/telemetry.py", "from gradscaler.scaler import GradScaler", "record (layer 2) imports scaler"),
-        ("masters/wrappers.py", "from gradscaler import record", "masters (layer 2) imports record"),
+        ("record/telemetry.py", "from gradscaler.scaler import GradScaler", "record (layer 3) imports scaler"),
+        ("masters/wrappers.py", "from gradscaler import record", "masters (layer 3) imports record"),
+        ("errors.py", "from gradscaler import kernels", "errors (layer 0) imports kernels"),
         (
             "masters/checks.py",
             "from gradscaler.masters.lifecycle import MasterWeights",
@@ -301,3 +302,28 @@ def test_the_circle_check_fails_when_a_circle_is_reintroduced(
     tmp_path: Path, module: str, line: str, expected: list[str]
 ) -> None:
     assert import_cycles(package_with(tmp_path, module, line)) == ([expected] if expected else [])
+
+
+def test_every_module_imports_first() -> None:
+    """Each module of the package imports in a process where nothing of gradscaler is loaded yet (a
+    private module a test or a tool imports first, ``from gradscaler import grads`` inside it included):
+    the lazy face must not load the public names while one of their modules is half-initialised."""
+    import subprocess
+    import sys
+
+    modules = sorted(dotted_name(path, SRC) for path in SRC.rglob("*.py") if path.name != "__main__.py")
+    script = (
+        "import importlib, sys\n"
+        "failed = []\n"
+        f"for name in {modules!r}:\n"
+        "    for loaded in [m for m in sys.modules if m == 'gradscaler' or m.startswith('gradscaler.')]:\n"
+        "        del sys.modules[loaded]\n"
+        "    try:\n"
+        "        importlib.import_module(name)\n"
+        "    except Exception as error:\n"
+        "        failed.append(f'{name}: {type(error).__name__}: {error}')\n"
+        "print('\\n'.join(failed))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "", result.stdout

@@ -5,7 +5,8 @@ Each peer's update rule is restated below as a small model, written from reading
 
 - Megatron-core ``DynamicGradScaler`` (megatron/core/optimizer/grad_scaler.py);
 - DeepSpeed's ``DynamicLossScaler`` (deepspeed/runtime/fp16/loss_scaler.py, the scaler of the ZeRO
-  optimizers) and the rule ``FP16_Optimizer`` / ``FP16_UnfusedOptimizer`` keep for themselves
+  optimizers; its growth before 0.17.1 and since, read from the 0.17.0 and 0.17.1 releases, the same in
+  0.19.8) and the rule ``FP16_Optimizer`` / ``FP16_UnfusedOptimizer`` keep for themselves
   (deepspeed/runtime/fp16/fused_optimizer.py and unfused_optimizer.py, ``_update_scale``: fp16 without ZeRO);
 - Apex: amp's ``LossScaler`` (apex/amp/scaler.py) and fp16_utils' ``DynamicLossScaler``
   (apex/fp16_utils/loss_scaler.py, under its ``FP16_Optimizer``).
@@ -78,18 +79,34 @@ class DeepSpeedLossScaler:
     It counts updates (``cur_iter``) and remembers the last overflow's. An overflow backs off (divides
     by ``scale_factor``, not below ``min_scale``) once the hysteresis is down to 1, else takes one from
     it; at ``min_scale`` already, ``raise_error_at_min_scale`` stops the run instead. A clean update
-    grows the scale when the updates since the last overflow are a multiple of ``scale_window``, and
-    refills the hysteresis then, or at every clean update with ``consecutive_hysteresis``.
+    grows the scale, and refills the hysteresis then (or at every clean update with
+    ``consecutive_hysteresis``), when ``since``, the updates since the last overflow or the start
+    (this one counted; an overflow the hysteresis absorbed counts as one), is:
+
+    - since DeepSpeed 0.17.1, ``since - 1`` a positive multiple of ``scale_window``
+      (``stable_interval``, the rule of ``FP16_Optimizer``): the ``scale_window + 1``-th clean update
+      grows, then every ``scale_window``-th; ``scale_factor`` is fixed at 2 (no longer an argument);
+    - before 0.17.1 (``before_0_17_1=True``), ``since`` a multiple of ``scale_window``: the
+      ``scale_window``-th, then every ``scale_window``-th, as Megatron, Apex, torch and we grow.
     """
 
     def __init__(
         self, init_scale: float, scale_window: int, min_scale: float = 1.0, delayed_shift: int = 1,
         consecutive_hysteresis: bool = False, raise_error_at_min_scale: bool = False, scale_factor: float = 2.0,
+        before_0_17_1: bool = False,
     ) -> None:  # fmt: skip
+        assert scale_factor == 2.0 or before_0_17_1, "since 0.17.1 DynamicLossScaler takes no scale_factor"
         self.scale, self.window, self.min_scale, self.factor = init_scale, scale_window, min_scale, scale_factor
         self.delayed_shift = self.tolerance = delayed_shift
         self.consecutive, self.raise_at_min = consecutive_hysteresis, raise_error_at_min_scale
         self.iteration, self.last_overflow = 0, -1
+        self.before_0_17_1 = before_0_17_1
+
+    def grows(self) -> bool:
+        since = self.iteration - self.last_overflow
+        if self.before_0_17_1:
+            return since % self.window == 0
+        return since - 1 > 0 and (since - 1) % self.window == 0
 
     def update(self, overflow: bool) -> float:
         if overflow:
@@ -103,7 +120,7 @@ class DeepSpeedLossScaler:
         else:
             if self.consecutive:
                 self.tolerance = self.delayed_shift
-            if (self.iteration - self.last_overflow) % self.window == 0:
+            if self.grows():
                 if not self.consecutive:
                     self.tolerance = self.delayed_shift
                 self.scale *= self.factor
@@ -347,47 +364,127 @@ def test_factors_float32_cannot_hold_round_like_torch_not_like_megatron() -> Non
 
 # ---------------------------------------------------------------- DeepSpeed
 
-
-@pytest.mark.parametrize(
+ZERO_HYSTERESIS = pytest.mark.parametrize(
     ("hysteresis", "consecutive"), [(1, False), (2, False), (2, True), (3, True)],
     ids=["hysteresis1", "hysteresis2", "hysteresis2-consecutive", "hysteresis3-consecutive"],
 )  # fmt: skip
-@pytest.mark.parametrize("name", list(SEQUENCES))
-def test_deepspeed_loss_scaler_trajectories_equal_ours(name: str, hysteresis: int, consecutive: bool) -> None:
-    """ZeRO's ``DynamicLossScaler``: ``loss_scale_window`` is ``growth_interval`` to the update,
-    ``hysteresis`` is ours, ``consecutive_hysteresis`` picks the refill."""
-    flags = SEQUENCES[name]
-    theirs = run_model(DeepSpeedLossScaler(2.0**10, 4, 1.0, hysteresis, consecutive), flags)
-    ours = GradScaler(
-        "cpu", init_scale=2.0**10, growth_interval=4, min_scale=1.0, hysteresis=hysteresis,
+
+
+def ours_as_zero(hysteresis: int, consecutive: bool, growth_interval: int = 4) -> GradScaler:
+    """The arguments docs/migration.md gives for ZeRO's ``fp16`` section (here ``loss_scale_window`` 4)."""
+    return GradScaler(
+        "cpu", init_scale=2.0**10, growth_interval=growth_interval, min_scale=1.0, hysteresis=hysteresis,
         hysteresis_refill="clean" if consecutive else "growth", collapse_patience=None,
     )  # fmt: skip
-    assert drive(ours, flags) == theirs
 
 
+@ZERO_HYSTERESIS
+@pytest.mark.parametrize("name", list(SEQUENCES))
+def test_deepspeed_zero_before_0_17_1_trajectories_equal_ours(name: str, hysteresis: int, consecutive: bool) -> None:
+    """ZeRO's ``DynamicLossScaler`` before 0.17.1: ``loss_scale_window`` is ``growth_interval`` to the
+    update, ``hysteresis`` is ours, ``consecutive_hysteresis`` picks the refill."""
+    flags = SEQUENCES[name]
+    theirs = run_model(DeepSpeedLossScaler(2.0**10, 4, 1.0, hysteresis, consecutive, before_0_17_1=True), flags)
+    assert drive(ours_as_zero(hysteresis, consecutive), flags) == theirs
+
+
+def longest_clean_run(flags: list[bool]) -> int:
+    return max(len(run) for run in "".join("T" if flag else "F" for flag in flags).split("T"))
+
+
+@ZERO_HYSTERESIS
+@pytest.mark.parametrize("name", list(SEQUENCES))
+def test_deepspeed_zero_since_0_17_1_no_growth_interval_reproduces_it(
+    name: str, hysteresis: int, consecutive: bool
+) -> None:
+    """Since 0.17.1 ZeRO's scaler grows at the ``loss_scale_window + 1``-th clean update after an
+    overflow (or the start), then every ``loss_scale_window``-th. With ``growth_interval`` =
+    ``loss_scale_window`` (4) ours grows one update sooner at each of its growths; ``window + 1`` (5)
+    matches only where no run of clean updates reaches the second growth (``2 * window + 1``); no other
+    interval matches where theirs grows at all."""
+    flags = SEQUENCES[name]
+    theirs = run_model(DeepSpeedLossScaler(2.0**10, 4, 1.0, hysteresis, consecutive), flags)
+    ours = drive(ours_as_zero(hysteresis, consecutive), flags)
+    if not growth_steps(theirs, 2.0**10):  # no clean run reaches 5: the same if none reaches 4 either
+        assert (ours == theirs) == (longest_clean_run(flags) < 4)
+        return
+    matches = [n for n in range(1, 10) if drive(ours_as_zero(hysteresis, consecutive, n), flags) == theirs]
+    assert matches == ([5] if longest_clean_run(flags) < 9 else [])
+    first = next(i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b)
+    assert first in growth_steps(ours, 2.0**10)  # they part where ours grows and theirs does not yet,
+    assert first + 1 == len(flags) or flags[first + 1] or first + 1 in growth_steps(theirs, 2.0**10)  # at the next
+
+
+def test_deepspeed_zero_since_0_17_1_an_overflow_on_the_update_between_parts_them_for_good() -> None:
+    """Ours grows at the 4th clean update, theirs would at the 5th, which overflows: ours backs off from
+    the doubled scale, theirs from the scale it had, and from there ours is twice theirs, four times
+    on each update between our growth and theirs."""
+    flags = [F] * 4 + [T] + [F] * 10
+    theirs = run_model(DeepSpeedLossScaler(2.0**10, 4), flags)
+    ours = drive(GradScaler("cpu", init_scale=2.0**10, growth_interval=4, min_scale=1.0), flags)
+    assert theirs == [2.0**10] * 4 + [2.0**9] * 5 + [2.0**10] * 4 + [2.0**11] * 2
+    assert ours == [2.0**10] * 3 + [2.0**11] + [2.0**10] * 4 + [2.0**11] * 4 + [2.0**12] * 3
+    assert [a / b for a, b in zip(ours, theirs, strict=True)][4:] == [2, 2, 2, 2, 4, 2, 2, 2, 4, 2, 2]
+
+
+@pytest.mark.parametrize("name", list(SEQUENCES))
+def test_deepspeed_zero_since_0_17_1_grows_as_its_fp16_optimizers(name: str) -> None:
+    """Since 0.17.1 DeepSpeed has one timing: ZeRO's scaler without hysteresis (the non-ZeRO optimizers
+    read none) gives the ``FP16_Optimizer`` rule's trajectory; before, ours."""
+    flags = SEQUENCES[name]
+    theirs = run_model(DeepSpeedFP16Optimizer(2.0**10, 4), flags)
+    assert run_model(DeepSpeedLossScaler(2.0**10, 4), flags) == theirs
+    before = run_model(DeepSpeedLossScaler(2.0**10, 4, before_0_17_1=True), flags)
+    assert before == drive(GradScaler("cpu", init_scale=2.0**10, growth_interval=4, min_scale=1.0), flags)
+    assert (before == theirs) == (growth_steps(theirs, 2.0**10) == growth_steps(before, 2.0**10) == [])
+
+
+def first_overflow_at(floor: float, init: float, scales: list[float], flags: list[bool]) -> int:
+    """The index of the first overflowing update that starts at ``floor``."""
+    before = [init, *scales[:-1]]
+    return next(i for i, (scale, bad) in enumerate(zip(before, flags, strict=True)) if bad and scale == floor)
+
+
+@pytest.mark.parametrize("before_0_17_1", [True, False], ids=["before-0.17.1", "since-0.17.1"])
 @pytest.mark.parametrize("hysteresis", [1, 2, 3])
 @pytest.mark.parametrize("name", ["floor", "seeded_0.5", "backoffs"])
-def test_deepspeed_raise_error_at_min_scale_is_collapse_patience_1(name: str, hysteresis: int) -> None:
+def test_deepspeed_raise_error_at_min_scale_is_collapse_patience_1(
+    name: str, hysteresis: int, before_0_17_1: bool
+) -> None:
     """Without ``consecutive_hysteresis`` (the default), from a start above the minimum: only a growth
     refills the allowance, and a growth leaves the minimum, so every overflow at the minimum would
-    back off, and both stop at the first."""
+    back off, and both stop at the first one they meet there, each on its own trajectory (before
+    0.17.1 the same one; since, the growths' timing can bring them to the minimum at other updates)."""
     flags = SEQUENCES[name] + [T] * 30
-    theirs = DeepSpeedLossScaler(2.0**4, 4, 1.0, hysteresis, raise_error_at_min_scale=True)
-    ours = GradScaler(
-        "cpu", init_scale=2.0**4, growth_interval=4, min_scale=1.0, hysteresis=hysteresis,
-        hysteresis_refill="growth", collapse_patience=1,
-    )  # fmt: skip
-    stop = model_stops_at(theirs, flags)
-    assert stop is not None and stops_at(ours, flags) == stop
+
+    def theirs(raise_at_min: bool) -> DeepSpeedLossScaler:
+        return DeepSpeedLossScaler(
+            2.0**4, 4, 1.0, hysteresis, raise_error_at_min_scale=raise_at_min, before_0_17_1=before_0_17_1
+        )
+
+    def ours(patience: int | None) -> GradScaler:
+        return GradScaler(
+            "cpu", init_scale=2.0**4, growth_interval=4, min_scale=1.0, hysteresis=hysteresis,
+            hysteresis_refill="growth", collapse_patience=patience,
+        )  # fmt: skip
+
+    their_stop, our_stop = model_stops_at(theirs(True), flags), stops_at(ours(1), flags)
+    assert their_stop == first_overflow_at(1.0, 2.0**4, run_model(theirs(False), flags), flags)
+    assert our_stop == first_overflow_at(1.0, 2.0**4, drive(ours(None), flags), flags)
+    assert before_0_17_1 <= (their_stop == our_stop)
 
 
-def test_deepspeed_raise_error_at_min_scale_with_hysteresis_waits_for_a_backoff_ours_does_not() -> None:
+@pytest.mark.parametrize("before_0_17_1", [True, False], ids=["before-0.17.1", "since-0.17.1"])
+def test_deepspeed_raise_error_at_min_scale_with_hysteresis_waits_for_a_backoff_ours_does_not(
+    before_0_17_1: bool,
+) -> None:
     """With hysteresis DeepSpeed raises at an overflow at the minimum that would back off; ours counts
     every overflowing step at the minimum, so ``collapse_patience=1`` stops at the first."""
     flags = [T, T, F, T, T]  # 2 -> 1 at the second overflow; a clean update refills; then two more
     theirs = DeepSpeedLossScaler(
-        2.0, 4, 1.0, delayed_shift=2, consecutive_hysteresis=True, raise_error_at_min_scale=True
-    )
+        2.0, 4, 1.0, delayed_shift=2, consecutive_hysteresis=True, raise_error_at_min_scale=True,
+        before_0_17_1=before_0_17_1,
+    )  # fmt: skip
     ours = GradScaler("cpu", init_scale=2.0, growth_interval=4, min_scale=1.0, hysteresis=2, collapse_patience=1)
     assert (model_stops_at(theirs, flags), stops_at(ours, flags)) == (4, 3)
 
@@ -405,8 +502,10 @@ def test_deepspeed_fp16_optimizer_grows_one_update_later_than_growth_interval() 
     ours = drive(GradScaler("cpu", init_scale=2.0**10, growth_interval=3), flags)
     assert growth_steps(theirs, 2.0**10) == [3, 6, 12, 15, 18]  # the 4th, 7th (and 10th) clean updates of a run
     assert growth_steps(ours, 2.0**10) == [2, 5, 11, 14, 17]  # the 3rd, 6th (and 9th)
-    # the ZeRO scaler of the same DeepSpeed grows at ours
-    assert growth_steps(run_model(DeepSpeedLossScaler(2.0**10, 3), flags), 2.0**10) == [2, 5, 11, 14, 17]
+    # the ZeRO scaler grows at ours before DeepSpeed 0.17.1, at the FP16 optimizers' since
+    zero = {before: run_model(DeepSpeedLossScaler(2.0**10, 3, before_0_17_1=before), flags) for before in (True, False)}
+    assert growth_steps(zero[True], 2.0**10) == [2, 5, 11, 14, 17]
+    assert growth_steps(zero[False], 2.0**10) == [3, 6, 12, 15, 18]
 
 
 def test_no_growth_interval_reproduces_the_fp16_optimizers_timing() -> None:
@@ -452,35 +551,41 @@ def deepspeed_unit_tests(make: Callable[[float, int, float], Trajectory]) -> dic
     return results
 
 
-def test_deepspeed_unit_tests_pin_the_fp16_optimizers_timing_which_their_zero_scaler_and_ours_fail() -> None:
-    """The six pass on the ``FP16_Optimizer`` rule; on DeepSpeed's own ``DynamicLossScaler`` (without
-    hysteresis, as the tests' optimizers have none) and on ours the two ``test_no_overflow`` fail:
-    there the scale grows at the second clean step, the tests expect the third."""
+def test_deepspeed_unit_tests_pin_the_later_growth_which_zero_before_0_17_1_and_ours_fail() -> None:
+    """The six pass on the ``FP16_Optimizer`` rule and on ZeRO's ``DynamicLossScaler`` since 0.17.1
+    (without hysteresis, as the tests' optimizers have none); on ZeRO's before 0.17.1 and on ours the
+    two ``test_no_overflow`` fail: there the scale grows at the second clean step, the tests expect the
+    third."""
 
     def fp16_optimizer(init: float, window: int, floor: float) -> Trajectory:
         return lambda flags: run_model(DeepSpeedFP16Optimizer(init, window, floor), flags)
 
-    def zero_scaler(init: float, window: int, floor: float) -> Trajectory:
-        return lambda flags: run_model(DeepSpeedLossScaler(init, window, floor), flags)
+    def zero_scaler(before_0_17_1: bool) -> Callable[[float, int, float], Trajectory]:
+        def make(init: float, window: int, floor: float) -> Trajectory:
+            return lambda flags: run_model(DeepSpeedLossScaler(init, window, floor, before_0_17_1=before_0_17_1), flags)
+
+        return make
 
     def ours(init: float, window: int, floor: float) -> Trajectory:
         return lambda flags: drive(GradScaler("cpu", init_scale=init, growth_interval=window, min_scale=floor), flags)
 
-    assert all(deepspeed_unit_tests(fp16_optimizer).values())
+    for rule in (fp16_optimizer, zero_scaler(False)):
+        results = deepspeed_unit_tests(rule)
+        assert len(results) == 6 and all(results.values())
     fails = ["fused-no_overflow", "unfused-no_overflow"]
-    for rule in (zero_scaler, ours):
+    for rule in (zero_scaler(True), ours):
         results = deepspeed_unit_tests(rule)
         assert len(results) == 6 and [name for name, ok in results.items() if not ok] == fails
 
 
 @pytest.mark.parametrize("factor", [3.0, 1.1])
 def test_deepspeed_and_apex_factor_other_than_2_divides_a_float64_ours_multiplies_a_float32(factor: float) -> None:
-    """``scale_factor`` (a ``DynamicLossScaler`` argument, not in DeepSpeed's config; Apex fp16_utils'
-    ``dynamic_loss_args``): the peers divide a Python float by it; ours multiplies the float32 scale
-    by ``backoff_factor = 1 / scale_factor`` and rounds, as torch does. Apart after each backoff (here a
-    growth brings both back to 2**16)."""
+    """``scale_factor`` (a ``DynamicLossScaler`` argument before DeepSpeed 0.17.1, not in its config,
+    fixed at 2 since; Apex fp16_utils' ``dynamic_loss_args``): the peers divide a Python float by it;
+    ours multiplies the float32 scale by ``backoff_factor = 1 / scale_factor`` and rounds, as torch
+    does. Apart after each backoff (here a growth brings both back to 2**16)."""
     flags = [T, F, F, T, F, F]
-    theirs = run_model(DeepSpeedLossScaler(2.0**16, 2, 1.0, scale_factor=factor), flags)
+    theirs = run_model(DeepSpeedLossScaler(2.0**16, 2, 1.0, scale_factor=factor, before_0_17_1=True), flags)
     assert theirs == run_model(ApexFP16Utils(2.0**16, factor, 2), flags)
     ours = drive(
         GradScaler("cpu", init_scale=2.0**16, growth_factor=factor, backoff_factor=1 / factor, growth_interval=2), flags

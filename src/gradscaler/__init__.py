@@ -52,10 +52,14 @@ __all__ = [
 def __getattr__(name: str) -> object:
     """Load every public name (and with them torch) the first time any attribute is missing."""
     import importlib
+    import importlib.util
 
     namespace = globals()
     if name.startswith("__") or namespace.get("_loaded"):
         raise AttributeError(f"module 'gradscaler' has no attribute {name!r}")
+    if name not in _FACE and importlib.util.find_spec(f"gradscaler.{name}") is not None:
+        # ``from gradscaler import grads`` inside a module the face is still loading: that module only
+        return importlib.import_module(f"gradscaler.{name}")
     for public, module in _FACE.items():
         namespace[public] = getattr(importlib.import_module(module), public)
     namespace["_loaded"] = True

@@ -21,13 +21,13 @@ from __future__ import annotations
 import copyreg
 import importlib
 import threading
-import warnings
 from types import TracebackType
 from typing import Any
 
 import torch
 
 from gradscaler import masters
+from gradscaler.errors import warn
 from gradscaler.scaler import GradScaler
 
 __all__ = ["CpuAmpGradScaler", "CudaAmpGradScaler", "TorchPatch", "is_torch_patched", "patch_torch", "unpatch_torch"]
@@ -55,7 +55,7 @@ class _DevicelessSpelling(GradScaler):
         enabled: bool = True,
         **options: Any,
     ) -> None:
-        warnings.warn(self._deprecation, FutureWarning, stacklevel=2)
+        warn(self._deprecation, FutureWarning)
         device = self._spelled_device
         super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled, **options)
 
@@ -247,10 +247,9 @@ def _unpatch_locked() -> None:
         if getattr(module, attr) is _installed.pop((module_name, attr), None):
             setattr(module, attr, original)
         else:
-            warnings.warn(
+            warn(
                 f"{module_name}.{attr} was rebound while gradscaler's patch was installed; left as it is.",
                 RuntimeWarning,
-                stacklevel=3,
             )
     _originals = None
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import inspect
 import operator
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from gradscaler.errors import warn
 from gradscaler.grads import iter_params
 
 LEGACY_KWARG_WARNING = (
@@ -46,7 +46,7 @@ def takes_grad_scaler_kwarg(optimizer: torch.optim.Optimizer) -> bool:
 
 def warn_legacy_kwarg() -> None:
     """torch's FutureWarning for the ``grad_scaler`` keyword, verbatim."""
-    warnings.warn(LEGACY_KWARG_WARNING, FutureWarning, stacklevel=3)
+    warn(LEGACY_KWARG_WARNING, FutureWarning)
 
 
 def has_fresh_state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> bool:

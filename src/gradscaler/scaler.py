@@ -7,7 +7,6 @@ them in order and keeps torch's private surface that other libraries rely on.
 from __future__ import annotations
 
 import copy
-import warnings
 import weakref
 from collections import abc, defaultdict
 from collections.abc import Callable
@@ -17,6 +16,7 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from gradscaler import checkpoint, clipping, compiled, distributed, fused, grads, kernels, masters, rule, stale
+from gradscaler.errors import warn
 from gradscaler.record.monitor import Monitor
 from gradscaler.record.telemetry import COUNTERS, Keeper, make_telemetry
 from gradscaler.torch_surface import TorchSurface
@@ -133,7 +133,7 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         self._enabled = enabled
         compiled.prepare()  # the marks, before any step is traced
         if self._device == "cuda" and enabled and not torch.cuda.is_available():
-            warnings.warn(_NO_CUDA_MESSAGE, stacklevel=2)
+            warn(_NO_CUDA_MESSAGE, UserWarning)
             self._enabled = False
         if self._enabled:  # torch's two checks, with torch's type and words
             if growth_factor <= 1.0:

@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import os
 import threading
-import warnings
 from typing import NamedTuple
 
 import torch
+
+from gradscaler.errors import warn
 
 TRITON_DEVICE_TYPES = ("cuda",)
 """Device types on which ``GRADSCALER_KERNEL=auto`` (the default) runs the Triton kernels."""
@@ -62,13 +63,12 @@ def fall_back(device: torch.device, cause: str) -> None:
         if device in _FALLBACK:
             return
         _FALLBACK[device] = cause
-    warnings.warn(
+    warn(
         f"gradscaler's Triton kernels cannot run on {device}: {cause}. The scaler uses torch's ops on "
         "this device for the rest of the process: the same flags and unscaled values, norms equal to "
         "rounding, slower passes. Set GRADSCALER_KERNEL=torch to choose torch's ops without this "
         "warning, or GRADSCALER_KERNEL=triton to raise the error instead.",
         KernelFallbackWarning,
-        stacklevel=3,
     )
 
 

@@ -12,12 +12,13 @@ what they need as callables and never hands its pairs down.
 from __future__ import annotations
 
 import sys
-import warnings
 from collections.abc import Callable, Container
 from types import FrameType
 from typing import Any
 
 import torch
+
+from gradscaler.errors import warn
 
 SAVED_KEY = "gradscaler_master_weights"
 """The key the optimizer's ``state_dict`` post-hook adds to each saved param group (removed on load)."""
@@ -114,7 +115,7 @@ CONTINUED_MESSAGE = (
 def warn_continued(names: list[str]) -> None:
     """One ``ContinuedWarning`` for the float32 parameters a binding continued from saved masters."""
     more = f", and {len(names) - 1} more parameters" if len(names) > 1 else ""
-    warnings.warn(CONTINUED_MESSAGE.format(name=names[0], more=more), ContinuedWarning, stacklevel=5)
+    warn(CONTINUED_MESSAGE.format(name=names[0], more=more), ContinuedWarning)
 
 
 def same(a: Any, b: Any) -> bool:

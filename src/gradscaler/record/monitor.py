@@ -20,7 +20,6 @@ import json
 import math
 import os
 import uuid
-import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -30,7 +29,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from gradscaler import grads
-from gradscaler.errors import COLLAPSE_CAUSES, ScaleCollapseError, ScaleCollapseWarning
+from gradscaler.errors import COLLAPSE_CAUSES, ScaleCollapseError, ScaleCollapseWarning, warn
 from gradscaler.grads import WeakById, checkable_view
 from gradscaler.kernels import host_reads_free, moved
 from gradscaler.record.telemetry import COUNTERS, Landed
@@ -220,7 +219,7 @@ class Monitor:
             return
         if self.on_collapse == "raise":
             raise ScaleCollapseError(collapse)
-        warnings.warn(collapse, ScaleCollapseWarning, stacklevel=4)
+        warn(collapse, ScaleCollapseWarning)
 
     def _log(self, item: Landed, tag: _Tag) -> None:
         """Build the record of one landed step and give it to the loggers due at that step."""

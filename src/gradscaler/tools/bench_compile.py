@@ -3,10 +3,12 @@ with the model compiled and with the whole step compiled (inductor), in one proc
 
 Each cell times whole steps of ``compiled_step``'s loop shapes (its MLP, wider here), the two scalers'
 runs interleaved step by step, median of ``steps`` after ``warmup`` (the first compiles fall in the
-warm-up). Every cell is reported, with whether the two runs ended bit-identical. Recompiles are
-not counted here: the two scalers' steps share one code object, so the second is a new cache entry of
-it; ``benchmarks/compile_counts.py`` counts them one scaler at a time. On CUDA the compiled step
-also runs with ``mode="reduce-overhead"`` (CUDA graphs).
+warm-up). Every cell is reported, with whether the two runs ended bit-identical. Each run's step has
+a code object of its own (``compiled_step.own_code``), so the two compiled steps keep separate Dynamo
+caches, as in two processes: sharing one, each call looked through the other's entries, and the
+compiled fused step with the scaler's clipping timed torch's at 71 ms against ours at 32 (a "2.26x"
+that measured alone was 1.0x). Recompiles are counted by ``benchmarks/compile_counts.py``, one
+scaler at a time. On CUDA the compiled step also runs with ``mode="reduce-overhead"`` (CUDA graphs).
 """
 
 from __future__ import annotations

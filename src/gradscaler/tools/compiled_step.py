@@ -14,6 +14,7 @@ applied step only).
 from __future__ import annotations
 
 import logging
+import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -141,7 +142,17 @@ def build(
                 for p, c in zip(params, copies, strict=True):
                     p.copy_(c)
 
-    return Run(model, optimizer, scaler, step)
+    return Run(model, optimizer, scaler, own_code(step, "step_gradscaler" if ours else "step_torch"))
+
+
+def own_code(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """``fn`` over a copy of its code object, named ``name``. Dynamo keeps its compiled entries on the
+    code object, and every ``step`` that ``build`` makes is a closure over one code object: two runs
+    compiled in one process (the bench interleaves torch's and ours) would share one cache: the second
+    run's graph a recompile of the first's, and each call looking through the other's entries. A copy
+    per run keeps apart what the two scalers compile, as two processes would."""
+    code = fn.__code__.replace(co_name=name)
+    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
 
 def inputs(
