@@ -2,21 +2,24 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# The CPU build of torch that lies on disk on these machines; with a GPU, install torch your usual way
-# first (e.g. `make TORCH_SPEC=torch`) or in your own environment: `pip install -e .[dev]`.
+# torch 2.13.0: from PyPI pip takes its CUDA build on Linux (about 5 GB installed, Triton 3.7.1 pinned),
+# the build a GPU needs; on a machine without a GPU, TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# takes PyTorch's CPU build instead (a 192 MB wheel, about 1 GB installed). Any other torch:
+# `make TORCH_SPEC=torch`, or your own environment: `pip install -e .[dev]`.
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
 # Two stamps in one .venv: the demo's (torch, gradscaler, matplotlib) and, on top of it, the test
 # set-up's (dev tools, Triton, the frameworks the integration tests drive). `make demo` installs only
 # the first; `make test` both.
 DEMO_STAMP := $(VENV)/.demo-installed
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench gpu-test gpu-check clean
+.PHONY: demo test test-triton-ends lint bench gpu-test gpu-check clean
 
 $(DEMO_STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)") "$(TORCH_SPEC)"
 	$(BIN)/pip install --quiet -e ".[plot]"
 	touch $(DEMO_STAMP)
 
@@ -27,8 +30,13 @@ $(STAMP): $(DEMO_STAMP)
 	$(BIN)/pip install --quiet --no-deps timm==1.0.31
 	touch $(STAMP)
 
+# README's demo numbers were recorded with the float16 kernels of an x86 CPU without AVX-512; on every
+# x86 CPU make demo asks for those kernels, so that it prints README's numbers there too. On an
+# AVX-512 machine that costs time: 181-193 s against 117-118 s unpinned, two runs each at load 10-12
+# (benchmarks/results/demo-isa-cpu.txt). Elsewhere (ARM, a GPU) the variables change nothing.
+DEMO_ISA := $(if $(filter x86_64 amd64,$(shell uname -m)),ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2)
 demo: $(DEMO_STAMP)
-	$(BIN)/gradscaler demo
+	$(DEMO_ISA) $(BIN)/gradscaler demo
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples docs
@@ -38,6 +46,26 @@ lint: $(STAMP)
 # One line per test file with the share of the suite done at its end, so that slow is not taken for hung.
 test: $(STAMP) lint
 	$(BIN)/python -m pytest
+	$(MAKE) --no-print-directory test-triton-ends
+
+# Both ends of the Triton range pyproject promises: 3.7.1, what torch 2.13's CUDA build pins (so what
+# every GPU user of it runs the kernels with), and 3.9.0, the newest. .venv holds whichever pip chose
+# (3.9.0 beside torch's CPU build, 3.7.1 beside its CUDA build) and the run above tested it; the other
+# end is installed apart (Triton alone, in .venv/triton-VERSION) and put first on the path to compile
+# the kernels for every target and run them in Triton's interpreter again.
+TRITON_ENDS ?= 3.7.1 3.9.0
+KERNEL_TESTS := tests/test_kernel_compile.py tests/test_kernels.py tests/test_move_kernel.py tests/test_kernel_fallback.py
+test-triton-ends: $(STAMP)
+	@have=$$($(BIN)/python -c "import triton; print(triton.__version__)"); \
+	for v in $(TRITON_ENDS); do \
+		if [ "$$v" = "$$have" ]; then echo "Triton $$v: .venv's, tested above"; continue; fi; \
+		dir=$(VENV)/triton-$$v; \
+		test -f $$dir/.installed || { $(BIN)/pip install --quiet --no-deps --target $$dir "triton==$$v" && touch $$dir/.installed; } || exit 1; \
+		got=$$(PYTHONPATH=$$dir $(BIN)/python -c "import triton; print(triton.__version__)"); \
+		test "$$got" = "$$v" || { echo "$$dir holds Triton $$got, not $$v: remove it and rerun"; exit 1; }; \
+		echo "Triton $$v: the kernel tests again ($(KERNEL_TESTS))"; \
+		PYTHONPATH=$$dir $(BIN)/python -m pytest -q -p no:cacheprovider $(KERNEL_TESTS) || exit 1; \
+	done
 
 bench: $(STAMP)
 	$(BIN)/gradscaler bench

@@ -21,7 +21,8 @@ set -uo pipefail
 py=${PYTHON:-python3}
 if ! "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" >/dev/null 2>&1; then
     version=$("$py" -c "import torch; print(torch.__version__)" 2>/dev/null || echo "not importable")
-    echo "gpu-check: skipped, no CUDA device visible to $py (torch $version)"
+    triton=$("$py" -c "import triton; print(triton.__version__)" 2>/dev/null || echo "not installed")
+    echo "gpu-check: skipped, no CUDA device visible to $py (torch $version, triton $triton)"
     exit 0
 fi
 out=${1:-${OUT:-benchmarks/results/gpu-check-$(date -u +%Y-%m-%d)}}
@@ -42,7 +43,15 @@ step() {  # step NAME TIMEOUT_S COMMAND...: run it, log it, record its exit code
 
 {
     nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv,noheader
-    "$py" -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__)"
+    # Which Triton compiled the kernels (or that none did: the scaler then runs torch's ops throughout).
+    "$py" -c "
+import torch
+try:
+    import triton
+    version = triton.__version__
+except ImportError:
+    version = 'not installed (the kernels cannot run: torch ops throughout)'
+print('torch', torch.__version__, '| triton', version)"
     echo "commit $(git describe --always --dirty 2>/dev/null || echo unknown)"
 } >"$out/env.txt" 2>&1
 cat "$out/env.txt"

@@ -6,7 +6,8 @@
 gloo on CPUs, NCCL on GPUs. DDP: gradients are replicated (an inf on one rank reaches all through
 DDP's all-reduce), so the scaler needs no process group. FSDP2: gradients are DTensor shards; the
 scaler all-reduces the overflow flag (and the clipping norm) over their mesh by itself. An inf is
-injected on the last rank at step 5 to show every rank skipping that step together.
+injected on the last rank at step 5 to show every rank skipping that step together. Each step
+prints one line per rank, in rank order (rank 0 gathers and prints them).
 """
 
 from __future__ import annotations
@@ -64,11 +65,16 @@ def main() -> None:
         scaler.step(opt)
         scaler.update()
         skipped = scaler.last_step_skipped()
-        print(
+        line = (
             f"rank {rank} step {step}: loss {loss.item():.4f} norm {norm.item():.4f} "
-            f"scale {scaler.get_scale():g}{' SKIPPED' if skipped else ''}",
-            flush=True,
+            f"scale {scaler.get_scale():g}{' SKIPPED' if skipped else ''}"
         )
+        # One line per rank a step, in rank order: rank 0 prints them all (each rank printing its own
+        # interleaves them in whatever order the processes reach their print).
+        lines: list[str] | None = [""] * world if rank == 0 else None
+        dist.gather_object(line, lines, dst=0)
+        if lines is not None:
+            print("\n".join(lines), flush=True)
     dist.destroy_process_group()
 
 

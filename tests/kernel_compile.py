@@ -9,9 +9,9 @@ with the kernels replaced by recorders; each recorded launch goes through Triton
 signature, constexprs, alignment attributes and options a launch on a GPU would compile) and is
 compiled by ``triton.compile`` for each target through the bundled ptxas. Writes one JSON record per
 (specialization, target) to the path given. The binder and argument packing are Triton's internals
-(``create_function_from_signature``, ``JITFunction._pack_args``, as in Triton 3.9's
-``JITFunction.run``): a Triton that changes them fails this script loudly rather than compiling
-something else.
+(``create_function_from_signature``, ``JITFunction._pack_args``, as ``JITFunction.run`` uses them in
+Triton 3.7.1, the release torch 2.13's CUDA build pins, and in 3.9): a Triton that changes them fails
+this script loudly rather than compiling something else.
 
 Usage: python tests/kernel_compile.py OUT.json --targets 70,75,80 [--sass 90] [--modes 1]
 [--without-compile-options] (the last: launch as if ``triton_stats.COMPILE_OPTIONS`` were empty, to
@@ -50,6 +50,10 @@ NORM_TYPES = (None, 2.0, math.inf, 3.0)
 CONTRACTIBLE = re.compile(r"^\s*(?:mul|add|sub)(?:\.ftz)?(?:\.sat)?\.f(?:32|64)\b", re.MULTILINE)
 FMA_PTX = re.compile(r"^\s*fma\.", re.MULTILINE)
 FMA_SASS = re.compile(r"\b[DFH]FMA2?\b")
+RUN_KNOBS = ("instrumentation_mode", "fpsan_homomorphic_casts")
+"""The ``triton.knobs.compilation`` settings that ``JITFunction.run`` copies into a launch's keywords:
+both in Triton 3.9, the first alone in 3.7.1. Each is read where this Triton has it, as its own
+``run`` does."""
 
 
 class Recorder:
@@ -113,8 +117,9 @@ def specialize(fn: JITFunction, args: tuple[Any, ...], kwargs: dict[str, Any], c
     target = GPUTarget("cuda", capability, 32)
     backend = make_backend(target)
     kwargs = dict(kwargs, debug=kwargs.get("debug", fn.debug) or triton.knobs.runtime.debug)
-    kwargs["instrumentation_mode"] = triton.knobs.compilation.instrumentation_mode
-    kwargs["fpsan_homomorphic_casts"] = triton.knobs.compilation.fpsan_homomorphic_casts
+    for knob in RUN_KNOBS:
+        if hasattr(triton.knobs.compilation, knob):
+            kwargs[knob] = getattr(triton.knobs.compilation, knob)
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     bound, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)

@@ -133,7 +133,7 @@ def test_quick_matrix_reports_every_cell(tmp_path: Path, capsys: pytest.CaptureF
     argv = ["bench", "--device", "cpu", "--sections", "matrix", "--quick", "--steps", "1", "--warmup", "1"]
     assert cli.main([*argv, "--out", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "| many small (200 x 256) | fused AdamW | no |" in out and "step phase share" in out
+    assert "| many small (50 x 256) | fused AdamW | no |" in out and "step phase share" in out
     matrix = json.loads(path.read_text())["matrix"]
     assert len(matrix["cells"]) == 4 * 6 * 2  # shapes x optimizers x clip, every cell reported
     timed = [c for c in matrix["cells"] if "skipped" not in c]
@@ -162,4 +162,4 @@ def test_demo_progress_shows_the_time_left(monkeypatch: pytest.MonkeyPatch, caps
         clock.step()
     assert clock.left() == pytest.approx(6 * 0.1 + 3 * 10 * 0.1)  # its 6 steps left, then three runs like it
     demo_progress.bar("fp16, no scaling", 4, 10, 2.5, begin, clock)
-    assert "4/10 loss 2.500  10.0 it/s  1s left, demo 4s" in capsys.readouterr().err
+    assert "4/10 loss 2.500  10.0 it/s  1s left of this run, 4s of the demo" in capsys.readouterr().err

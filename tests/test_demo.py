@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -113,3 +114,53 @@ def test_the_demo_closing_hint_runs_when_pasted(tmp_path: Path) -> None:
     assert " of 3 steps skipped" in pasted.stdout.splitlines()[0]
     assert pasted.stdout.rstrip().endswith("figure: run/gradscaler-demo-report.png")
     assert (tmp_path / "run" / "gradscaler-demo-report.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.fixture
+def axes():
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    yield ax
+    plt.close(fig)
+
+
+def test_the_legend_marks_a_nan_run_as_the_plot_does(axes) -> None:
+    """The run whose loss became NaN is drawn as a dotted vertical line at that step; its legend entry is
+    that line (it was the curve's dashed line, which stops at step 3 and is all but invisible)."""
+    from gradscaler.tools import demo_figure
+
+    runs = [
+        {"run": "fp32", "losses": [3.0 - 0.01 * i for i in range(50)], "final_loss": 2.5},
+        {"run": demo.NO_MASTERS, "losses": [3.0, 2.9, 2.8] + [math.nan] * 47, "final_loss": math.nan},
+    ]
+    demo_figure._losses(axes, runs)
+    handles, labels = axes.get_legend_handles_labels()
+    nan_entries = [h for h, label in zip(handles, labels, strict=True) if "NaN" in label]
+    assert [label for label in labels if "NaN" in label] == [f"{demo.NO_MASTERS}: loss NaN from step 3"]
+    (entry,) = nan_entries
+    assert entry.get_linestyle() == ":" and list(entry.get_xdata()) == [3, 3]  # the vertical line itself
+    assert len(labels) == 2
+
+
+def test_the_two_flushed_shares_say_why_they_differ(axes) -> None:
+    from gradscaler.tools import demo_figure
+
+    edges = [-60.0 + 0.25 * i for i in range(321)]
+    hist = {
+        "edges": edges,
+        "before": [1.0] * 320,
+        "after": [1.0] * 320,
+        "scale": 2.0**30,
+        "flushed_before": 0.765,
+        "flushed_after": 0.0,
+        "flushed_without_scaling": 0.982,
+    }
+    demo_figure._histogram(axes, hist)
+    (text,) = [t.get_text() for t in axes.texts if "flushed" in t.get_text()]
+    assert "at scale 1: 76.5%" in text and "its own model: 98.2%" in text
+    assert "the same batch" in text and "stalled" in text

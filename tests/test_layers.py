@@ -56,6 +56,7 @@ INSIDE: dict[str, dict[str, int]] = {
     },
     "record": {
         "telemetry": 0,
+        "logfile": 0,
         "logsummary": 1,
         "monitor": 1,
         "scalerlog": 2,

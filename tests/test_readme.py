@@ -9,6 +9,7 @@ differently, and when a command README shows would not run.
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import re
 import shlex
@@ -149,3 +150,135 @@ def test_readme_links_to_its_own_sections_resolve() -> None:
     }
     links = set(re.findall(r"\]\(#([^)]+)\)", README))
     assert links and links <= anchors, links - anchors
+
+
+def git_url_block() -> str:
+    """README's block that installs from the git URL ``git remote get-url origin`` prints."""
+    (block,) = [b for b in re.findall(r"```sh\n(.*?)```", README, flags=re.S) if "git remote get-url origin" in b]
+    return block
+
+
+@pytest.mark.parametrize(
+    ("origin", "requirement"),
+    [
+        ("https://github.com/o/gradscaler.git", "gradscaler[plot] @ git+https://github.com/o/gradscaler.git"),
+        ("git@github.com:o/gradscaler.git", "gradscaler[plot] @ git+ssh://git@github.com/o/gradscaler.git"),
+        ("/srv/git/gradscaler", "gradscaler[plot] @ git+file:///srv/git/gradscaler"),
+    ],
+    ids=["https", "scp-like", "path"],
+)
+def test_readme_git_url_block_turns_each_origin_form_into_a_url_pip_takes(
+    origin: str, requirement: str, tmp_path: Path
+) -> None:
+    """The block as pasted into sh, with ``git`` answering one of the forms and ``pip`` echoing its words."""
+    fake = tmp_path / "git"
+    fake.write_text(f"#!/bin/sh\necho '{origin}'\n")
+    fake.chmod(0o755)
+    script = "pip() { printf '%s\\n' \"$@\"; }\n" + git_url_block()
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin"}
+    done = subprocess.run(["sh", "-c", script], capture_output=True, text=True, env=env, check=True)
+    assert done.stdout.splitlines() == ["install", requirement], done.stdout
+
+
+def test_readme_git_url_block_installs_from_a_clone_path(tmp_path: Path) -> None:
+    """The path form for real, in a clone whose origin is this repository's path (as a clone of a folder
+    has): pip resolves ``git+file://`` to gradscaler (its metadata built; nothing installed), where the
+    bare path after ``git+`` fails."""
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(tmp_path / "clone")], check=True)
+    script = git_url_block().replace("pip install", f"{shlex.quote(sys.executable)} -m pip install --dry-run --no-deps")
+    done = subprocess.run(["sh", "-c", script], cwd=tmp_path / "clone", capture_output=True, text=True, check=False)
+    assert done.returncode == 0 and "Would install gradscaler-" in done.stdout, done.stdout + done.stderr
+
+
+def test_make_demo_pins_the_kernels_the_record_was_made_with() -> None:
+    """README's numbers are what ``make demo`` prints on an x86 CPU: the Makefile sets, on x86, the variables
+    the record's command names, and README says so (with what it costs on an AVX-512 CPU)."""
+    meta = recorder.read_record()["meta"]
+    pins = [word for word in meta["command"].split() if "=" in word]
+    assert pins == ["ATEN_CPU_CAPABILITY=avx2", "ONEDNN_MAX_CPU_ISA=AVX2"], meta["command"]
+    makefile = (ROOT / "Makefile").read_text()
+    (isa,) = re.findall(r"(?m)^DEMO_ISA := \$\(if \$\(filter x86_64 amd64,\$\(shell uname -m\)\),(.*)\)$", makefile)
+    assert isa.split() == pins
+    assert re.search(r"(?m)^demo: .*\n\t\$\(DEMO_ISA\) \$\(BIN\)/gradscaler demo$", makefile)
+    assert "what `make demo` runs" in recorder.block(README, "demo-record")
+    assert f"(`{' '.join(pins)}`)" in README
+
+
+DEMO_VENV_LACKS = (
+    "tensorboard",
+    "timm",
+    "torchvision",
+    "transformers",
+    "accelerate",
+    "lightning",
+    "lightning_fabric",
+    "pytorch_lightning",
+    "triton",
+)
+"""What ``make test`` adds to ``make demo``'s ``.venv`` (and torchvision, in neither) that a block could import
+(its test tools aside: no block imports them)."""
+RUNNER = r"""
+import importlib.abc, json, os, sys, tempfile
+
+blocks, lacks = json.load(sys.stdin)
+
+
+class Absent(importlib.abc.MetaPathFinder):
+    blocked = set()
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in self.blocked:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+finder = Absent()
+sys.meta_path.insert(0, finder)
+for index, code, needs in blocks:
+    for name in [m for m in sys.modules if m.split(".")[0] in lacks or m.startswith("torch.utils.tensorboard")]:
+        del sys.modules[name]
+    finder.blocked = set(lacks) - set(needs)
+    os.chdir(tempfile.mkdtemp())
+    try:
+        exec(compile(code, f"README.md block {index}", "exec"), {"__name__": "readme"})
+    except ImportError as error:
+        print(f"block {index}: {error}", flush=True)
+        continue
+    print(f"block {index}: ran", flush=True)
+"""
+
+
+def python_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", README, flags=re.S)
+
+
+def needs(block: str) -> list[str]:
+    """What a block's first line says it needs beyond make demo's .venv: ``# ... pip install NAME ...``."""
+    first = block.splitlines()[0]
+    found = re.match(r"# .*?\bpip install ([\w\-. ]+?)\s*(?:[;(]|$)", first)
+    return found.group(1).split() if found else []
+
+
+def test_readme_python_blocks_run_in_the_venv_make_demo_sets_up() -> None:
+    """Each block in a process where what make demo's .venv lacks cannot be imported, but for what the
+    block's first line names; the TensorBoard block once more without its line, which must fail. The
+    torch.compile block (minutes of inductor on a cold CPU) runs in tests/test_docs.py; here its imports
+    are checked to be make demo's."""
+    blocks = python_blocks()
+    (compiled,) = [i for i, b in enumerate(blocks) if "@torch.compile" in b]
+    assert set(re.findall(r"(?m)^(?:from|import) (\w+)", blocks[compiled])) <= {"torch", "gradscaler"}
+    (board,) = [i for i, b in enumerate(blocks) if "TensorBoardLogger(" in b]
+    assert needs(blocks[board]) == ["tensorboard"], blocks[board].splitlines()[0]
+    runs = [(i, b, needs(b)) for i, b in enumerate(blocks) if i != compiled] + [(-1, blocks[board], [])]
+    done = subprocess.run(
+        [sys.executable, "-c", RUNNER],
+        input=json.dumps([runs, DEMO_VENV_LACKS]),
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = [line for line in done.stdout.splitlines() if line.startswith("block ")]  # the blocks print too
+    assert said[:-1] == [f"block {i}: ran" for i, _, _ in runs[:-1]], done.stdout
+    assert said[-1].startswith("block -1: ") and "needs the tensorboard package" in said[-1], said[-1]

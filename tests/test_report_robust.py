@@ -231,7 +231,9 @@ def test_two_loggers_on_one_path_are_told_apart(tmp_path: Path) -> None:
     assert left_out in text and text.replace(left_out, "") == gradscaler.report(tmp_path / "alone.jsonl").text
     result = run_cli(str(tmp_path / "s.jsonl"), "--run", first.run)
     assert result.returncode == 0 and result.stdout.startswith("2 of 30 steps skipped"), result.stderr
-    assert_refused_everywhere(tmp_path / "s.jsonl", "no record of run nope among the log's 60 records", run="nope")
+    writers = f"they were written by rank 0 run {first.run} (30 records), rank 0 run {second.run} (30 records)"
+    said = f"run nope wrote none of this log's 60 records; {writers}: choose one of those with --rank/--run"
+    assert_refused_everywhere(tmp_path / "s.jsonl", said, run="nope")
 
 
 def as_rank(monkeypatch: pytest.MonkeyPatch, rank: int) -> None:

@@ -30,6 +30,27 @@ def top_offenders(s: LogSummary, top: int = 10) -> list[tuple[str, int]]:
     return s.names.most_common(top)
 
 
+def _count(n: int, noun: str) -> str:
+    """``1 growth``, ``34 growths``."""
+    return f"{n} {noun}{'s' * (n != 1)}"
+
+
+def unruled(s: LogSummary) -> str | None:
+    """Rule 0: the scale moved where the rule does not move it (set by hand, loaded, or the log edited)."""
+    if s.unruled_first is None:
+        return None
+    step, before, after, counted = s.unruled_first
+    ratio = after / before
+    factor = f"x{ratio:g}" if ratio >= 1 else f"/{1 / ratio:g}"
+    more = f" ({_count(s.unruled - 1, 'more step')} like it)" if s.unruled > 1 else ""
+    return (
+        f"Scale set outside the rule: at step {step} the scale went from {_scale(before)} to {_scale(after)} "
+        f"({factor}) {counted}{more}. The rule never moves the scale that way: "
+        "it was set by hand (scaler.update(new_scale), load_state_dict) or the log was edited. The other "
+        "findings read the counters, which do not see such a change."
+    )
+
+
 def early_skips(s: LogSummary) -> str | None:
     """Rule 1: the log opens with skips that stop once the scale has come down: init_scale too high."""
     if not s.from_start or s.leading_open or s.leading == 0:
@@ -118,7 +139,7 @@ def capped(s: LogSummary) -> str | None:
     )
 
 
-RULES = (early_skips, collapse, backoff_pattern, capped)
+RULES = (unruled, early_skips, collapse, backoff_pattern, capped)
 
 
 def diagnose(s: LogSummary) -> list[str]:
@@ -133,7 +154,7 @@ def describe(s: LogSummary) -> str:
     lines = [
         f"{skipped} of {steps} steps skipped{share}; scale {_scale(s.first_scale)} at step {s.first_step}, "
         f"{_scale(float(s.last['scale']))} at step {s.last_step} (min {_scale(s.scale_low)}, max "
-        f"{_scale(s.scale_high)}); {s.total('growths')} growths, {s.total('backoffs')} backoffs.",
+        f"{_scale(s.scale_high)}); {_count(s.total('growths'), 'growth')}, {_count(s.total('backoffs'), 'backoff')}.",
     ]
     if s.names:
         others = len(s.names) - min(len(s.names), 5)  # named in the log, not in this line

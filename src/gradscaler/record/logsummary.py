@@ -117,6 +117,9 @@ class LogSummary:
     # rule 4: the scale held without a skip or a growth
     flat: Stretch | None = None
     longest_flat: Stretch | None = None
+    # rule 0: the scale moved where the rule did not (no growth or backoff counted, or against the one counted)
+    unruled: int = 0
+    unruled_first: tuple[int, float, float, str] | None = None  # step, scale before and after, what was counted
 
     @property
     def steps(self) -> int:
@@ -239,11 +242,32 @@ def add(s: LogSummary, record: dict[str, Any]) -> None:
     norm = None if record.get("grad_norm") is None else float(record["grad_norm"])  # checked: a float holds it
     if norm is not None:
         _norm(s, norm)
+    if before is not None:
+        _unruled(s, step, s.previous_scale, scale, grew, shrank)
     _bucket(s, step, scale, skips, grew, shrank, norm)
     _leading(s, record, gap, skips)
     _stuck(s, record, step, scale, skipped, names)
     _backoffs(s, step, grew, shrank, scale, record)
     _flat(s, step, scale, skips, grew)
+
+
+def _unruled(s: LogSummary, step: int, before: float, after: float, grew: int, shrank: int) -> None:
+    """A scale that moved with no growth or backoff counted, or up with only backoffs (down with only
+    growths): the rule makes no such move. ``update(new_scale)`` and ``load_state_dict`` do, and so
+    does an edit; a bound reached (min_scale, max_scale) only stops a move, so it makes none of these."""
+    if after == before or (grew and shrank):
+        return
+    if not grew and not shrank:
+        counted = "with no growth or backoff counted for it"
+    elif grew and after < before:
+        counted = "down, where only a growth was counted"
+    elif shrank and after > before:
+        counted = "up, where only a backoff was counted"
+    else:
+        return
+    s.unruled += 1
+    if s.unruled_first is None:
+        s.unruled_first = (step, before, after, counted)
 
 
 def _anchor(s: LogSummary) -> None:

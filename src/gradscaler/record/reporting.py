@@ -14,11 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from gradscaler.record.diagnosis import describe, diagnose, top_offenders
+from gradscaler.record.logfile import PLOT_HINT, figure_path
 from gradscaler.record.scalerlog import LogSummary, summarise_file
-
-PLOT_HINT = "pip install 'matplotlib>=3.7' into the environment that runs gradscaler"
-"""What to do when matplotlib is missing. gradscaler is not on PyPI, so ``pip install 'gradscaler[plot]'``
-would fail; the ``plot`` extra is matplotlib and nothing else."""
 
 
 @dataclass(frozen=True)
@@ -80,13 +77,6 @@ def report(
         figure=figure,
         summary=summary,
     )
-
-
-def figure_path(out: str | Path) -> Path:
-    """The file the figure is written to: ``out``, with ``.png`` added when it has no suffix (as matplotlib
-    adds it), so that what is printed is the file that exists."""
-    path = Path(out)
-    return path if path.suffix else path.with_name(path.name + ".png")
 
 
 class _Progress:
@@ -153,22 +143,35 @@ def _scale_panel(ax: Any, s: LogSummary) -> None:
             alpha=0.25,
             label=f"min-max per {s.span} steps",
         )
-    skipped = [b for b in buckets if b.skips]
+    skipped = [(i, b) for i, b in enumerate(buckets) if b.skips]
     if skipped:
+        # At the scale the skipped step ran with, where its backoff's marker starts: one event, one place.
         ax.scatter(
-            [b.last for b in skipped],
-            [b.low for b in skipped],
+            [b.last for _, b in skipped],
+            [ran_with(s, i) for i, _ in skipped],
             marker="x",
             color="red",
-            zorder=3,
+            zorder=4,
             label=f"skipped ({s.total('skipped_steps')})",
         )
     if s.span == 1:  # one bucket per record: mark each event where it happened
         for what, (points, label) in events(s).items():
             if points:
-                marker, color = ("^", "green") if what == "growths" else ("v", "darkorange")
                 x, y = zip(*points, strict=True)
-                ax.scatter(x, y, marker=marker, s=22, color=color, zorder=3, label=label)
+                if what == "growths":
+                    ax.scatter(x, y, marker="^", s=22, color="green", zorder=3, label=label)
+                else:  # around the skip's cross, which sits on the same point
+                    ax.scatter(
+                        x,
+                        y,
+                        marker="v",
+                        s=90,
+                        facecolors="none",
+                        edgecolors="darkorange",
+                        lw=1.4,
+                        zorder=3,
+                        label=label,
+                    )
     policy = s.policy or {}
     for key, style in (("max_scale", "--"), ("min_scale", ":")):
         bound = policy.get(key)
@@ -191,12 +194,22 @@ def events(s: LogSummary) -> dict[str, tuple[list[tuple[int, float]], str]]:
         count = 0
         for i, b in enumerate(s.buckets):
             n = getattr(b, what)
-            if n:  # drawn at the scale it changed from; the first record's is not in the log
-                points.append((b.last, s.buckets[i - 1].scale if i else b.scale))
+            if n:
+                points.append((b.last, ran_with(s, i)))
                 count += n
         label = f"{what[:-1]} ({count})" if count == len(points) else f"{what} ({count}, in {len(points)} records)"
         out[what] = (points, label)
     return out
+
+
+def ran_with(s: LogSummary, i: int) -> float:
+    """The scale bucket ``i``'s last step ran with: the one before its update (the previous record's), where
+    that step's skip, growth and backoff are drawn; the first record's is not in the log (its own, then).
+    A bucket of several records: its highest scale, which a backoff in it started from."""
+    b = s.buckets[i]
+    if s.span > 1:
+        return b.high
+    return s.buckets[i - 1].scale if i else b.scale
 
 
 def _norm_panel(ax: Any, s: LogSummary) -> None:
@@ -219,5 +232,7 @@ def _offender_panel(ax: Any, s: LogSummary) -> None:
     for y, (name, count) in enumerate(reversed(top)):
         ax.text(0, y + 0.26, name if len(name) <= 44 else "..." + name[-41:], fontsize=8, va="bottom")
         ax.text(count, y, f" {count}", va="center", fontsize=8)
-    ax.set(xlabel="records naming it", yticks=[], ylim=(len(top) - max(len(top), 6) - 0.5, len(top) - 0.3))
+    # The bars share the panel's height (a row each, three rows at least so that one or two are not slabs).
+    rows = max(len(top), 3)
+    ax.set(xlabel="records naming it", yticks=[], ylim=(len(top) - rows - 0.5, len(top) - 0.3))
     ax.set_xlim(0, max(counts) * 1.15)

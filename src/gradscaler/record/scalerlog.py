@@ -23,12 +23,14 @@ import math
 import operator
 import os
 import re
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from gradscaler import rule
 from gradscaler.record import logsummary
+from gradscaler.record.logfile import EMPTY, FOLDER
 from gradscaler.record.logsummary import BUCKETS, LogSummary, Writer, writer_name
 from gradscaler.record.telemetry import COUNTERS
 
@@ -48,6 +50,8 @@ _NORM = re.compile(rf'"grad_norm": ({_NUMBER})(?=[,}}])[^\n]*')
 _NORM_VALUE = re.compile(rf'"grad_norm": (?:{_NUMBER})(?=[,}}])')
 KEPT_WRITERS = 1024
 """Writers remembered after their run ended, to tell a file's next run from interleaved writers."""
+SHOWN_WRITERS = 4
+"""The other writers a ``--rank`` / ``--run`` that matches nothing names (with their record counts)."""
 
 Progress = Callable[[int, int], None]
 """``progress(lines_read, records)``."""
@@ -57,7 +61,21 @@ class LogError(ValueError):
     """The input is not a readable scaler log; the message says why in one line."""
 
 
-class _Unreadable(LogError):
+NOT_A_LOG = "not a JsonLinesLogger log"
+NOT_A_RECORD = "not a JsonLinesLogger record"
+
+
+class _Malformed(LogError):
+    """A line that is not a record at all (not JSON, not an object, no step or scale): ``what`` says what
+    the line is, and the message adds the verdict on the file, which the reader makes damaged when
+    records came before the line."""
+
+    def __init__(self, what: str, verdict: str) -> None:
+        super().__init__(f"{what}: {verdict}")
+        self.what = what
+
+
+class _Unreadable(_Malformed):
     """A line that is not JSON: at the end of a log and without its newline, a record cut off mid-write."""
 
 
@@ -80,12 +98,12 @@ def _number(value: Any) -> float | None:
 def _check(record: Any, number: int) -> dict[str, Any]:
     """``record`` when every value it holds is one a scaler logger could have written, else ``LogError``."""
     if not isinstance(record, dict):
-        raise LogError(f"line {number} is {type(record).__name__} JSON, not a record: not a JsonLinesLogger log")
+        raise _Malformed(f"line {number} is {type(record).__name__} JSON, not a record", NOT_A_LOG)
     missing = [key for key in REQUIRED if key not in record]
     if missing:
-        raise LogError(
-            f"line {number} has no {', '.join(repr(k) for k in missing)}: not a gradscaler scaler log "
-            "(JsonLinesLogger writes step, scale and the counters on every line)"
+        raise _Malformed(
+            f"line {number} has no {', '.join(repr(k) for k in missing)}",
+            "not a gradscaler scaler log (JsonLinesLogger writes step, scale and the counters on every line)",
         )
     for key in ("step", *COUNTERS):
         value = record[key]
@@ -159,13 +177,13 @@ def _parse(line: str, number: int) -> dict[str, Any]:
     try:
         record = json.loads(line, object_pairs_hook=_unique_keys)
     except RecursionError:
-        raise _Unreadable(f"line {number} is JSON nested too deeply for a record: not a JsonLinesLogger log") from None
+        raise _Unreadable(f"line {number} is JSON nested too deeply for a record", NOT_A_LOG) from None
     except _KeyTwice as error:
-        raise LogError(f"line {number} holds the key {error.args[0]!r} twice: not a JsonLinesLogger record") from None
+        raise _Malformed(f"line {number} holds the key {error.args[0]!r} twice", NOT_A_RECORD) from None
     except ValueError:
         shown = line.strip()
         shown = shown if len(shown) <= 40 else shown[:37] + "..."
-        raise _Unreadable(f"line {number} is not JSON ({shown!r}): not a JsonLinesLogger log") from None
+        raise _Unreadable(f"line {number} is not JSON ({shown!r})", NOT_A_LOG) from None
     return _check(record, number)
 
 
@@ -196,10 +214,8 @@ def summarise(
         if reader.pending is not None:
             raise reader.pending
         if reader.others:
-            raise LogError(
-                f"no record of {writer_name((rank, run))} among the log's {reader.others} records (other writers' only)"
-            )
-        raise LogError("the log is empty: no records (loggers are called after each scaler.update())")
+            raise reader.no_record_of(rank, run)
+        raise LogError(EMPTY)
     summary.others = reader.others
     logsummary.close(summary)
     return summary
@@ -220,6 +236,8 @@ class _Reader:
         self.key: str | None = None  # the last record's line without its step and norm values
         self.rank, self.run = rank, run
         self.others = 0  # records of writers that ``rank`` / ``run`` leave out
+        self.other_writers: Counter[Writer] = Counter()  # the first SHOWN_WRITERS of them, for the message
+        self.any_record = False  # whether a line before this one was a record, of any writer
         self.ended: dict[Writer, int] = {}  # writers whose run ended, and the line it began at
 
     def fold(self, chunk: list[str]) -> None:
@@ -289,14 +307,17 @@ class _Reader:
             raise self.pending
         try:
             record = _parse(line, self.number)
-        except _Unreadable as error:
-            if line.endswith("\n"):
-                raise
-            self.pending = error  # an error unless it is the last line: then the line was cut off
-            return
+        except _Malformed as error:
+            if isinstance(error, _Unreadable) and not line.endswith("\n"):
+                self.pending = error  # an error unless it is the last line: then the line was cut off
+                return
+            raise self.damaged(error) from None
         writer = (record.get("rank"), record.get("run"))
+        self.any_record = True
         if (self.rank is not None and writer[0] != self.rank) or (self.run is not None and writer[1] != self.run):
             self.others += 1
+            if len(self.other_writers) < SHOWN_WRITERS or writer in self.other_writers:
+                self.other_writers[writer] += 1
             return
         s = self.summary
         if not s.records:
@@ -309,6 +330,29 @@ class _Reader:
             s = self.summary = LogSummary(runs=s.runs + 1, run_line=self.number, writer=writer)
         logsummary.add(s, record)
         self.key = _key(line, record)
+
+    def damaged(self, error: _Malformed) -> LogError:
+        """A line that is no record: the file is not a scaler log, or, when records came before it, a
+        damaged one (a record cut mid-write with more written after it, two files joined, an edit)."""
+        if not self.any_record:
+            return error
+        return LogError(
+            f"{error.what}: a damaged gradscaler log (the lines before it are a JsonLinesLogger's records): "
+            "a record was cut off mid-write and more written after it, or the file was "
+            f"joined or edited there; delete line {self.number} to read the rest, or read the lines before it "
+            f"(head -n {self.number - 1})"
+        )
+
+    def no_record_of(self, rank: int | None, run: str | None) -> LogError:
+        """``--rank`` / ``--run`` chose a writer that wrote nothing here: which writers did."""
+        wanted = writer_name((rank, run))
+        shown = ", ".join(f"{writer_name(w)} ({n} records)" for w, n in self.other_writers.most_common())
+        more = len(self.other_writers) >= SHOWN_WRITERS and sum(self.other_writers.values()) < self.others
+        return LogError(
+            f"{wanted} wrote none of this log's {self.others} records; they were written by {shown}"
+            f"{' and others' if more else ''}: choose one of those with --rank/--run (report(path, rank=..., "
+            "run=...)), or open the file that writer logged to (under torch.distributed each rank writes its own file)"
+        )
 
     def next_writer(self, writer: Writer) -> LogSummary:
         """The summary of a run by a new writer; a writer whose run has ended cannot come back."""
@@ -370,7 +414,7 @@ def summarise_file(
     """
     path = Path(path)
     if path.is_dir():
-        raise LogError("is a folder, not a log file")
+        raise LogError(FOLDER)
     with path.open("rb") as raw, io.TextIOWrapper(raw, encoding="utf-8") as handle:
         size = os.fstat(raw.fileno()).st_size
         tick = None if progress is None else (lambda lines, records: progress(raw.tell(), size))

@@ -183,7 +183,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def report_command(log: str, out: str | None, rank: int | None = None, run: str | None = None) -> int:
     """``gradscaler report``: the text on stdout; a problem is one line on stderr naming the file at fault
     (the log, or the figure's file or folder) and exit status 1."""
-    from gradscaler.record.reporting import PLOT_HINT, figure_path
+    # What can be told without torch (whose import alone takes seconds) is told first.
+    from gradscaler.record.logfile import PLOT_HINT, figure_path, first_problem
 
     figure = None if out is None else figure_path(out)
     if out is not None and figure is not None:
@@ -191,6 +192,14 @@ def report_command(log: str, out: str | None, rank: int | None = None, run: str 
         if problem is not None:
             print(f"gradscaler report: --out {out}: {problem}", file=sys.stderr)
             return 1
+    try:
+        problem = first_problem(Path(log))
+    except OSError as error:
+        print(f"gradscaler report: cannot read the log {log}: {error.strerror or error}", file=sys.stderr)
+        return 1
+    if problem is not None:
+        print(f"gradscaler report: {log}: {problem}", file=sys.stderr)
+        return 1
     import gradscaler
     from gradscaler.record.reporting import draw
     from gradscaler.record.scalerlog import LogError

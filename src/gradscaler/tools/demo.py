@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from gradscaler import GradScaler, JsonLinesLogger
-from gradscaler.record.reporting import PLOT_HINT
+from gradscaler.record.logfile import PLOT_HINT
 from gradscaler.tools import shell
 from gradscaler.tools.demo_figure import plot, scale_text
 from gradscaler.tools.demo_fp16 import (

@@ -91,7 +91,12 @@ def _histogram(ax: Any, hist: dict[str, Any]) -> None:
             edges[0] + 1,
             top * 0.97,
             f"flushed to 0 in float16:\nat scale 1: {100 * flushed:.1f}%\nat {scale_text(scale)}: {100 * kept:.1f}%"
-            + ("" if plain is None else f"\n\nthe run without\nscaling's own: {100 * plain:.1f}%"),
+            + (
+                ""
+                if plain is None
+                else f"\n\nthe run without scaling,\nits own model: {100 * plain:.1f}%\n(the same batch; that"
+                "\nmodel stalled, and its\ngradients are smaller)"
+            ),
             va="top",
             fontsize=9,
         )
@@ -110,12 +115,12 @@ def _losses(ax: Any, runs: list[dict[str, Any]]) -> None:
         style = "--" if r["run"] in FP16_PARAMETERS else "-"
         broken = next((i for i, v in enumerate(r["losses"]) if not math.isfinite(v)), None)
         label = f"{r['run']} (final {r['final_loss']:.2f})"
-        if broken is not None:
-            label = f"{r['run']}: loss NaN from step {broken} (dotted line)"
-        (line,) = ax.plot(smooth, ls=style, label=label)
+        # A run whose loss became NaN: its legend entry is the dotted line that marks the step, not its
+        # curve, which stops there.
+        (line,) = ax.plot(smooth, ls=style, label=label if broken is None else "_nolegend_")
         finite_top = max([finite_top, *(v for v in smooth if math.isfinite(v))])
         if broken is not None:  # the curve stops here: mark the step across the whole panel
-            ax.axvline(broken, color=line.get_color(), ls=":", lw=1.5)
+            ax.axvline(broken, color=line.get_color(), ls=":", lw=1.5, label=f"{r['run']}: loss NaN from step {broken}")
             ax.annotate(
                 f"{r['run']}:\nNaN from step {broken}",
                 (broken, 0.1),

@@ -49,10 +49,10 @@ def bar(name: str, done: int, total: int, loss: float, begin: float, clock: Prog
     width = 30
     filled = int(width * done / total)
     rate = done / max(time.perf_counter() - begin, 1e-9)
-    left = f"{(total - done) / rate:.0f}s left"
+    left = f"{(total - done) / rate:.0f}s left of this run"
     demo_left = None if clock is None else clock.left()
     if demo_left is not None:
-        left += f", demo {demo_left:.0f}s"
+        left += f", {demo_left:.0f}s of the demo"
     sys.stderr.write(
         ("\r" if interactive else "")
         + f"{name:<32} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} "

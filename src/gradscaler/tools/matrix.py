@@ -33,8 +33,8 @@ OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
 def matrix_shapes(device: torch.device, quick: bool) -> dict[str, list[tuple[tuple[int, ...], torch.dtype]]]:
     """Parameter layouts: (shape, dtype) per tensor."""
     f32, f16 = torch.float32, torch.float16
-    if quick:
-        gpt, small, huge = gpt2_shapes(64, 2, 512, 64), [(256,)] * 200, [(1 << 16,)] * 3
+    if quick:  # every cell's code path at toy sizes; 50 small tensors cost a test run a third of 200's
+        gpt, small, huge = gpt2_shapes(64, 2, 512, 64), [(256,)] * 50, [(1 << 16,)] * 3
     elif device.type == "cuda":
         gpt, small, huge = gpt2_shapes(768, 12, 50257, 1024), [(256,)] * 2000, [(1 << 26,)] * 3
     else:  # ~14M values: the 48 cells fit in ~20 min on 2 shared cores

@@ -1,0 +1,64 @@
+"""Graph breaks of the whole training step under ``torch.compile`` (``torch._dynamo`` explains each): where
+they lie and why, against torch's scaler compiled the same way; and the scaler's methods that run eagerly
+on purpose never run under tracing. (Recompiles and bits: ``tests/test_compiled.py``.)"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from gradscaler import GradScaler
+from gradscaler.tools.compiled_step import SHAPES, Shape, breaks, build, inputs
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo() -> None:
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
+def test_no_graph_break_inside_the_package(shape: Shape) -> None:
+    """Each scaler call is one break at the call site, on purpose; no more than torch's scaler makes
+    (``scaler.clip_grad_norm_`` is one call where torch's scaler needs two). Only one break lies inside
+    the library, on purpose too: ``torch.nn.utils.clip_grad_norm_`` over float16 parameters finds their
+    masters eagerly (then Dynamo compiles the rest, torch's clip, in that call's own frame), where the
+    recipe by hand clips its copies without a break."""
+    counted = {}
+    for ours in (False, True):
+        torch._dynamo.reset()
+        counted[ours] = breaks(build(shape, ours), inputs(2))
+    finding_masters = 1 if shape.masters and shape.clip == "unscale" else 0
+    inside = [b for b in counted[True] if b.in_library]
+    where = "masters/wrappers.py"  # stand_ins, the one eager call inside the library
+    assert all(b.on_purpose and where in b.where for b in inside) and len(inside) == finding_masters, inside
+    assert len(counted[True]) <= len(counted[False]) + finding_masters, (counted[True], counted[False])
+    theirs = {b.reason for b in counted[False]}
+    assert all(b.on_purpose for b in counted[True] if b.reason not in theirs), counted[True]
+
+
+def test_each_scaler_call_breaks_for_the_documented_reason() -> None:
+    """The reason Dynamo prints names this library's choice and where it is documented."""
+    found = breaks(build(Shape(clip="scaler"), ours=True), inputs(2))
+    named = [re.search(r"<function (\S+) at", b.explanation).group(1) for b in found if b.on_purpose]  # type: ignore[union-attr]
+    assert named == ["GradScaler.scale", "GradScaler.clip_grad_norm_", "GradScaler.step", "GradScaler.update"]
+
+
+def test_eager_scaler_methods_run_eagerly_inside_compiled_code() -> None:
+    """What ``compiled.eager`` promises: the method body never runs under tracing."""
+    seen: list[bool] = []
+    scaler = GradScaler("cpu")
+    scaler.add_logger(lambda stats: seen.append(torch.compiler.is_compiling()))
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    @torch.compile(backend="aot_eager")
+    def step(x: torch.Tensor) -> None:
+        scaler.scale(model(x).sum()).backward()
+        scaler.step(optimizer)
+        scaler.update()
+
+    for _ in range(3):
+        step(torch.randn(2, 4))
+    assert seen == [False, False, False]
