@@ -79,13 +79,18 @@ def ddp(rank: int) -> dict[str, Any]:
 
 ITERATIONS = 4
 BAD_ITERATION = 1
-CASES = (  # (optimizer, micro-batches, no_sync on all micro-batches but the last)
-    ("adamw", 1, True),
-    ("adamw", 4, True),
-    ("sgd", 4, True),
-    ("sgd", 1, True),
-    ("adamw", 4, False),
+CASES = (  # (optimizer, micro-batches, no_sync on all micro-batches but the last, DDP's gradient_as_bucket_view)
+    ("adamw", 1, True, False),
+    ("adamw", 4, True, False),
+    ("sgd", 4, True, False),
+    ("sgd", 1, True, False),
+    ("adamw", 4, False, False),
+    ("adamw", 4, True, True),
 )
+
+
+def case_name(kind: str, micros: int, no_sync: bool, bucket_view: bool) -> str:
+    return f"{kind}-{micros}-{'no_sync' if no_sync else 'synced'}{'-bucket_view' if bucket_view else ''}"
 
 
 def make_optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
@@ -105,8 +110,8 @@ def loss_of(out: torch.Tensor, micros: int) -> torch.Tensor:
     return out.float().square().mean() / micros
 
 
-def trained_ours(rank: int, kind: str, micros: int, no_sync: bool) -> dict[str, Any]:
-    model = nn.parallel.DistributedDataParallel(make_net())
+def trained_ours(rank: int, kind: str, micros: int, no_sync: bool, bucket_view: bool) -> dict[str, Any]:
+    model = nn.parallel.DistributedDataParallel(make_net(), gradient_as_bucket_view=bucket_view)
     optimizer = make_optimizer(kind, model.parameters())
     s = GradScaler("cpu", init_scale=2.0**10, master_weights=True, accumulate_grads_in_fp32=True)
     s.register_ddp(model)
@@ -161,13 +166,86 @@ def trained_recipe(rank: int, world: int, kind: str, micros: int) -> dict[str, A
 
 def trained(rank: int, world: int) -> dict[str, Any]:
     out = {}
-    for kind, micros, no_sync in CASES:
-        out[f"{kind}-{micros}-{'no_sync' if no_sync else 'synced'}"] = {
-            "ours": trained_ours(rank, kind, micros, no_sync),
+    for kind, micros, no_sync, bucket_view in CASES:
+        out[case_name(kind, micros, no_sync, bucket_view)] = {
+            "ours": trained_ours(rank, kind, micros, no_sync, bucket_view),
             "recipe": trained_recipe(rank, world, kind, micros),
         }
     return out
 
 
+class Experts(nn.Module):
+    """A shared layer, an expert only rank 0 uses, and one no rank uses (bfloat16)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.shared = nn.Linear(4, 4)
+        self.expert = nn.Linear(4, 2)
+        self.dead = nn.Linear(4, 2)
+        self.to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor, rank: int) -> torch.Tensor:
+        h = torch.tanh(self.shared(x))
+        return h.sum(dim=1, keepdim=True) + (self.expert(h) if rank == 0 else 0)
+
+
+def experts_ours(rank: int) -> dict[str, Any]:
+    model = nn.parallel.DistributedDataParallel(Experts(), find_unused_parameters=True)
+    optimizer = make_optimizer("adamw", model.parameters())
+    s = GradScaler("cpu", init_scale=2.0**10, master_weights=True, accumulate_grads_in_fp32=True)
+    s.register_ddp(model)
+    params = []
+    for iteration in range(3):
+        for micro in range(2):
+            with model.no_sync() if micro == 0 else contextlib.nullcontext():
+                s.scale(loss_of(model(batch(rank, 10 * iteration + micro), rank), 2)).backward()
+        s.step(optimizer)
+        s.update()
+        optimizer.zero_grad()
+        params.append([p.detach().clone() for p in model.parameters()])
+    return {"params": params}
+
+
+def experts_recipe(rank: int, world: int) -> dict[str, Any]:
+    net = Experts()
+    lows = list(net.parameters())
+    copies = [p.detach().float().requires_grad_() for p in lows]
+    optimizer = make_optimizer("adamw", copies)
+    s = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    params = []
+    for iteration in range(3):
+        for micro in range(2):
+            s.scale(loss_of(net(batch(rank, 10 * iteration + micro), rank), 2)).backward()
+            for p, c in zip(lows, copies, strict=True):
+                if p.grad is not None:
+                    g = p.grad.float()
+                    c.grad = g if c.grad is None else c.grad + g
+                    p.grad = None
+        # zeros where this rank has no sum, a flag per copy: a copy no rank gave a gradient gets none
+        flat = torch.cat([c.grad.reshape(-1) if c.grad is not None else torch.zeros(c.numel()) for c in copies])
+        flags = torch.tensor([float(c.grad is not None) for c in copies])
+        dist.all_reduce(flat)
+        dist.all_reduce(flags)
+        flat.div_(world)
+        offset = 0
+        for c, seen in zip(copies, flags.tolist(), strict=True):
+            c.grad = flat[offset : offset + c.numel()].view(c.shape).clone() if seen else None
+            offset += c.numel()
+        s.step(optimizer)
+        with torch.no_grad():
+            for p, c in zip(lows, copies, strict=True):
+                p.copy_(c)
+        s.update()
+        optimizer.zero_grad()
+        params.append([p.detach().clone() for p in lows])
+    return {"params": params, "initial": [p.detach().clone() for p in Experts().parameters()]}
+
+
 def scenarios(rank: int, world: int) -> dict[str, Any]:
-    return {"fsdp2": fsdp2(rank), "ddp": ddp(rank), "trained": trained(rank, world)}
+    return {
+        "fsdp2": fsdp2(rank),
+        "ddp": ddp(rank),
+        "trained": trained(rank, world),
+        "experts": {"ours": experts_ours(rank), "recipe": experts_recipe(rank, world)},
+    }

@@ -43,7 +43,7 @@ def same(a: list[list[torch.Tensor]], b: list[list[torch.Tensor]]) -> bool:
     return len(a) == len(b) and all(len(x) == len(y) and all(map(torch.equal, x, y)) for x, y in zip(a, b, strict=True))
 
 
-@pytest.mark.parametrize("case", [f"{k}-{m}-{'no_sync' if n else 'synced'}" for k, m, n in worker.CASES])
+@pytest.mark.parametrize("case", [worker.case_name(*case) for case in worker.CASES])
 def test_ddp_averages_the_float32_sums_as_the_recipe_by_hand(ranks: list[dict[str, Any]], case: str) -> None:
     for rank in ranks:
         ours, recipe = rank["trained"][case]["ours"], rank["trained"][case]["recipe"]
@@ -55,3 +55,20 @@ def test_ddp_averages_the_float32_sums_as_the_recipe_by_hand(ranks: list[dict[st
         assert not same(ours["params"][:1], ours["params"][-1:])  # the applied steps moved the weights
     first, second = (rank["trained"][case]["ours"] for rank in ranks)
     assert same(first["params"], second["params"])  # the ranks agree on every weight
+
+
+def test_an_expert_one_rank_uses_gets_the_average_and_one_no_rank_uses_is_not_stepped(
+    ranks: list[dict[str, Any]],
+) -> None:
+    for rank in ranks:
+        ours, recipe = rank["experts"]["ours"], rank["experts"]["recipe"]
+        assert same(ours["params"], recipe["params"])
+        names = ["shared.weight", "shared.bias", "expert.weight", "expert.bias", "dead.weight", "dead.bias"]
+        last, initial = (
+            dict(zip(names, ours["params"][-1], strict=True)),
+            dict(zip(names, recipe["initial"], strict=True)),
+        )
+        assert torch.equal(last["dead.weight"], initial["dead.weight"])  # AdamW's decay would move it if stepped
+        assert not torch.equal(last["expert.weight"], initial["expert.weight"])  # stepped on rank 1 too
+    first, second = (rank["experts"]["ours"] for rank in ranks)
+    assert same(first["params"], second["params"])
