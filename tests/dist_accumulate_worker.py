@@ -79,18 +79,22 @@ def ddp(rank: int) -> dict[str, Any]:
 
 ITERATIONS = 4
 BAD_ITERATION = 1
-CASES = (  # (optimizer, micro-batches, no_sync on all micro-batches but the last, DDP's gradient_as_bucket_view)
-    ("adamw", 1, True, False),
-    ("adamw", 4, True, False),
-    ("sgd", 4, True, False),
-    ("sgd", 1, True, False),
-    ("adamw", 4, False, False),
-    ("adamw", 4, True, True),
+MAX_NORM = 0.05
+CASES = (  # (optimizer, micro-batches, no_sync on all micro-batches but the last, DDP's gradient_as_bucket_view,
+    # unscale_ + torch's clip_grad_norm_ over the model's parameters)
+    ("adamw", 1, True, False, False),
+    ("adamw", 4, True, False, False),
+    ("sgd", 4, True, False, False),
+    ("sgd", 1, True, False, False),
+    ("adamw", 4, False, False, False),
+    ("adamw", 4, True, True, False),
+    ("sgd", 4, True, False, True),
 )
 
 
-def case_name(kind: str, micros: int, no_sync: bool, bucket_view: bool) -> str:
-    return f"{kind}-{micros}-{'no_sync' if no_sync else 'synced'}{'-bucket_view' if bucket_view else ''}"
+def case_name(kind: str, micros: int, no_sync: bool, bucket_view: bool, clip: bool) -> str:
+    name = f"{kind}-{micros}-{'no_sync' if no_sync else 'synced'}"
+    return name + ("-bucket_view" if bucket_view else "") + ("-clip" if clip else "")
 
 
 def make_optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
@@ -110,17 +114,20 @@ def loss_of(out: torch.Tensor, micros: int) -> torch.Tensor:
     return out.float().square().mean() / micros
 
 
-def trained_ours(rank: int, kind: str, micros: int, no_sync: bool, bucket_view: bool) -> dict[str, Any]:
+def trained_ours(rank: int, kind: str, micros: int, no_sync: bool, bucket_view: bool, clip: bool) -> dict[str, Any]:
     model = nn.parallel.DistributedDataParallel(make_net(), gradient_as_bucket_view=bucket_view)
     optimizer = make_optimizer(kind, model.parameters())
     s = GradScaler("cpu", init_scale=2.0**10, master_weights=True, accumulate_grads_in_fp32=True)
     s.register_ddp(model)
-    params, scales, skipped = [], [], []
+    params, scales, skipped, norms = [], [], [], []
     for iteration in range(ITERATIONS):
         for micro in range(micros):
             last = micro == micros - 1
             with contextlib.nullcontext() if last or not no_sync else model.no_sync():
                 s.scale(loss_of(model(data(rank, iteration, micro)), micros)).backward()
+        if clip:
+            s.unscale_(optimizer)
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
         s.step(optimizer)
         s.update()
         optimizer.zero_grad()
@@ -128,10 +135,10 @@ def trained_ours(rank: int, kind: str, micros: int, no_sync: bool, bucket_view: 
         scales.append(s.get_scale())
         skipped.append(s.last_step_skipped())
     grads_left = [p.grad for p in model.parameters()]
-    return {"params": params, "scales": scales, "skipped": skipped, "grads_left": grads_left}
+    return {"params": params, "scales": scales, "skipped": skipped, "grads_left": grads_left, "norms": norms}
 
 
-def trained_recipe(rank: int, world: int, kind: str, micros: int) -> dict[str, Any]:
+def trained_recipe(rank: int, world: int, kind: str, micros: int, clip: bool) -> dict[str, Any]:
     net = make_net()
     lows = list(net.parameters())
     copies = [p.detach().float().requires_grad_() for p in lows]
@@ -152,6 +159,9 @@ def trained_recipe(rank: int, world: int, kind: str, micros: int) -> dict[str, A
         for c in copies:
             c.grad = flat[offset : offset + c.numel()].view(c.shape).clone()
             offset += c.numel()
+        if clip:
+            s.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(copies, MAX_NORM)
         s.step(optimizer)
         if not s._found_inf_per_device(optimizer)[torch.device("cpu")].item():
             with torch.no_grad():
@@ -166,10 +176,10 @@ def trained_recipe(rank: int, world: int, kind: str, micros: int) -> dict[str, A
 
 def trained(rank: int, world: int) -> dict[str, Any]:
     out = {}
-    for kind, micros, no_sync, bucket_view in CASES:
-        out[case_name(kind, micros, no_sync, bucket_view)] = {
-            "ours": trained_ours(rank, kind, micros, no_sync, bucket_view),
-            "recipe": trained_recipe(rank, world, kind, micros),
+    for kind, micros, no_sync, bucket_view, clip in CASES:
+        out[case_name(kind, micros, no_sync, bucket_view, clip)] = {
+            "ours": trained_ours(rank, kind, micros, no_sync, bucket_view, clip),
+            "recipe": trained_recipe(rank, world, kind, micros, clip),
         }
     return out
 

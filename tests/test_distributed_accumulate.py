@@ -4,6 +4,7 @@ changing nothing; DDP with it bit for bit the recipe by hand that all-reduces it
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -53,6 +54,8 @@ def test_ddp_averages_the_float32_sums_as_the_recipe_by_hand(ranks: list[dict[st
         assert ours["skipped"] == skipped  # rank 1's inf reached both ranks' averaged sums: both skip
         assert all(grad is None for grad in ours["grads_left"])  # DDP's write dropped at the move
         assert not same(ours["params"][:1], ours["params"][-1:])  # the applied steps moved the weights
+        if case.endswith("-clip"):  # the clip bites: some finite norm above the limit
+            assert any(math.isfinite(n) and n > worker.MAX_NORM for n in ours["norms"]), ours["norms"]
     first, second = (rank["trained"][case]["ours"] for rank in ranks)
     assert same(first["params"], second["params"])  # the ranks agree on every weight
 
