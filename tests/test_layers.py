@@ -48,6 +48,7 @@ INSIDE: dict[str, dict[str, int]] = {
     "masters": {
         "checks": 0,
         "checkpoint": 0,
+        "ddp": 0,
         "pairs": 1,
         "wrappers": 1,
         "accumulate": 2,

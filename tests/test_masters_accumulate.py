@@ -261,6 +261,17 @@ def test_the_argument_without_master_weights_is_refused() -> None:
         GradScaler("cpu", accumulate_grads_in_fp32=True)
 
 
+def test_register_ddp_without_accumulation_or_with_a_plain_module_is_refused() -> None:
+    net = nn.Linear(2, 2).to(torch.bfloat16)
+    for scaler in (GradScaler("cpu", master_weights=True), GradScaler("cpu")):
+        with pytest.raises(ValueError, match=r"register_ddp\(ddp_model\) is for .*accumulate_grads_in_fp32=False"):
+            scaler.register_ddp(net)  # type: ignore[arg-type]
+    scaler = fp32_scaler()
+    with pytest.raises(TypeError, match=r"register_ddp\(module\): module is a Linear, not a .*DistributedDataParallel"):
+        scaler.register_ddp(net)  # type: ignore[arg-type]
+    assert not scaler._masters._sums.ddp  # nothing registered
+
+
 def trained_once(micro: int = 2) -> Ours:
     ours = Ours(Net(), OPTIMIZERS["adamw_foreach"], fp32_scaler(init_scale=2.0**8))
     run(ours, range(2), micro, new_trace())

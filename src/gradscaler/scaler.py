@@ -538,6 +538,16 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         empty before the first ``unscale_``/``step`` of ``optimizer`` or without masters)."""
         return self._masters.masters(optimizer)
 
+    def register_ddp(self, ddp_model: torch.nn.parallel.DistributedDataParallel) -> None:
+        """Under ``DistributedDataParallel`` with ``accumulate_grads_in_fp32=True``: average the float32
+        gradient sums of ``ddp_model``'s parameters across its process group, in float32, at each move
+        (the first ``unscale_``/``clip_grad_norm_``/``step`` of an iteration): one ``all_reduce`` (SUM) of
+        the sums, then divided by the group's size; the low-precision gradient DDP's reducer writes into
+        ``p.grad`` is dropped. Call once after wrapping the model; ``no_sync()`` on all micro-batches but
+        the last as usual. ``ValueError`` without ``accumulate_grads_in_fp32``, ``TypeError`` for a module
+        that is not DDP; neither registers anything."""
+        self._masters.register_ddp(ddp_model)
+
     @compiled.eager
     def state_dict(self) -> dict[str, Any]:
         """torch's five entries plus this scaler's policy, trackers and counters; plain Python values."""

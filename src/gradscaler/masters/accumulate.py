@@ -19,9 +19,10 @@ bound to, and those a bound optimizer's ``add_param_group`` adds. A parameter ho
 no optimizer of the scaler binds gets its gradient back in its dtype at that ``update()``.
 
 ``Accumulation`` is what ``MasterWeights`` holds; its ``take`` is the move of an accumulating binding.
-Refused: FSDP2's sharded parameters at a binding (FSDP2 reduce-scatters each backward's gradient itself:
-its ``reduce_dtype`` is the setting), and under DDP the reduced gradient its last backward writes into
-``p.grad`` (the float32 sums are not averaged across ranks).
+Under DDP, ``scaler.register_ddp(ddp_model)`` (``ddp.DataParallel``): at the move the reduced gradient
+DDP wrote into ``p.grad`` is dropped and the float32 sums are averaged across DDP's ranks in float32;
+without the call that gradient is refused. Refused: FSDP2's sharded parameters at a binding (FSDP2
+reduce-scatters each backward's gradient itself: its ``reduce_dtype`` is the setting).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from gradscaler import compiled
 from gradscaler.masters.checks import LOW_PRECISION
+from gradscaler.masters.ddp import DataParallel
 from gradscaler.masters.pairs import Binding
 from gradscaler.masters.wrappers import route
 
@@ -81,8 +83,9 @@ FSDP2_MESSAGE = (
 )
 
 DDP_MESSAGE_TAIL = (
-    " Under DistributedDataParallel this is DDP's reduced gradient: accumulate_grads_in_fp32 does not "
-    "reduce the float32 sums across ranks yet; leave it out under DDP."
+    " Under DistributedDataParallel this is DDP's reduced gradient: tell the scaler about the DDP module "
+    "with scaler.register_ddp(ddp_model) (once, after wrapping the model), and the scaler averages the "
+    "float32 sums across DDP's ranks itself at the move."
 )
 
 LATER_HOOK_MESSAGE = (
@@ -200,6 +203,7 @@ class Accumulation:
     def __init__(self) -> None:
         self._sums = WeakIdKeyDictionary()  # parameter -> its Sum
         self.watching = True  # hooks from the scaled graphs, until the first update() after a binding
+        self.ddp = DataParallel()  # the parameters of registered DDP modules: their sums averaged at the move
 
     def watch(self, output: Any) -> Any:
         """At ``scale()``: hook the low-precision parameters of ``output``'s graph (first iteration only)."""
@@ -248,9 +252,12 @@ class Accumulation:
                 found.master = weakref.ref(pair.master)
 
     def refuse(self, binding: Binding, name: Any, before_step: bool = False) -> None:
-        """``ValueError``, before anything changes, for a parameter whose ``.grad`` is set where its hook
+        """(At the move, the gradients DDP's reducer wrote into registered parameters are dropped first.)
+        ``ValueError``, before anything changes, for a parameter whose ``.grad`` is set where its hook
         leaves None (written by hand, or after ``unscale_``: the step reads the master's), or whose
         post-accumulate-grad hooks run one after the scaler's. ``name(pair, number)`` names it."""
+        if not before_step and self.ddp:
+            self.ddp.drop_reduced(binding.lows())
         for number, pair in enumerate(binding.pairs):
             if pair.low.grad is not None:
                 ddp = torch.distributed.is_available() and torch.distributed.is_initialized()
@@ -273,6 +280,8 @@ class Accumulation:
             else:
                 pair.master.grad = None
             route(pair.low, pair.master)
+        if self.ddp:
+            self.ddp.reduce([(pair.low, pair.master) for pair in binding.pairs])
 
     def end_iteration(self, bound: set[int]) -> None:
         """At ``update()``: after the first iteration with a binding, stop hooking from the scaled graphs

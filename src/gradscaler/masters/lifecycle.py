@@ -60,6 +60,7 @@ from gradscaler.masters.checks import (
     stands_in,
     trained,
 )
+from gradscaler.masters.ddp import NOT_ACCUMULATING_MESSAGE
 from gradscaler.masters.pairs import Binding, Pair
 from gradscaler.masters.wrappers import AddParamGroupChecked, ZeroGradBoth, route, route_clipping, unroute, unwrap
 
@@ -188,6 +189,12 @@ class MasterWeights:
         """At ``scale()``, ``output`` a scaled tensor: with ``accumulate_grads_in_fp32``, hook the
         parameters of its graph (``accumulate``). Returns ``output``."""
         return output if self._sums is None else self._sums.watch(output)
+
+    def register_ddp(self, module: Any) -> None:
+        """``scaler.register_ddp``: average the float32 sums of ``module``'s parameters across its ranks."""
+        if self._sums is None:
+            raise ValueError(NOT_ACCUMULATING_MESSAGE.format(accumulate=False))
+        self._sums.ddp.register(module)
 
     def masters(self, optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(low-precision parameter, master) for every master of ``optimizer``, in param-group order."""
@@ -438,6 +445,9 @@ class NoMasters:
 
     def watch(self, output: Any) -> Any:
         return output
+
+    def register_ddp(self, module: Any) -> None:
+        raise ValueError(NOT_ACCUMULATING_MESSAGE.format(accumulate=False))
 
     def masters(self, optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return []

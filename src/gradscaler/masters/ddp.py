@@ -1,0 +1,101 @@
+"""The float32 sums of ``accumulate_grads_in_fp32`` averaged across DistributedDataParallel's ranks
+(``scaler.register_ddp(ddp_model)``).
+
+Order in one backward under DDP (torch 2.13): autograd's ``AccumulateGrad`` node writes the gradient into
+``p.grad`` and runs the tensor's post-accumulate-grad hooks (ours: the gradient goes into the float32 sum,
+``p.grad = None``) inside the node; DDP's reducer hook is a post hook of that node, so it runs after ours
+and finds ``p.grad`` None: it zeroes the parameter's place in its bucket, all-reduces the bucket, and at
+the end of the backward writes that average (zeros) into ``p.grad``. Under ``no_sync()`` the reducer does
+nothing. So DDP never sees our sums, and what it writes is dropped at the move.
+
+At the move (the first ``unscale_``/``clip_grad_norm_``/``step`` of the iteration) the scaler reduces the
+sums itself, in float32 as Megatron-LM does: per (process group, device), one tensor holding every
+master's sum flattened in the optimizer's parameter order (zeros where this rank has none) and one flag
+per master (1 where this rank has a sum), one ``all_reduce`` (SUM) over DDP's process group, then the
+sums divided by the group's size. A master gets the average when any rank had a sum, and None when none
+did (not stepped, as DDP leaves a globally unused parameter's gradient). Reading the flags is one host
+sync per move. An overflow on any rank makes the average non-finite on every rank: every rank skips.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+NOT_DDP_MESSAGE = (
+    "scaler.register_ddp(module): module is a {kind}, not a torch.nn.parallel.DistributedDataParallel. "
+    "Pass the DDP-wrapped model (the object DistributedDataParallel(model) returned)."
+)
+
+NOT_ACCUMULATING_MESSAGE = (
+    "scaler.register_ddp(ddp_model) is for GradScaler(master_weights=True, accumulate_grads_in_fp32=True): "
+    "this scaler has accumulate_grads_in_fp32={accumulate}. Without the argument DDP's own all-reduce gives "
+    "the masters their gradients; leave the call out, or build the scaler with accumulate_grads_in_fp32=True. "
+    "Nothing was registered."
+)
+
+
+class DataParallel:
+    """The parameters of the DDP modules registered with one scaler, each with DDP's process group."""
+
+    def __init__(self) -> None:
+        self._groups = WeakIdKeyDictionary()  # parameter -> DDP's process group
+
+    def register(self, module: Any) -> list[torch.Tensor]:
+        """Take ``module``'s process group and the parameters DDP reduces (not ``parameters_to_ignore``);
+        returns those parameters."""
+        if not isinstance(module, torch.nn.parallel.DistributedDataParallel):
+            raise TypeError(NOT_DDP_MESSAGE.format(kind=type(module).__name__))
+        ignored: set[str] = getattr(module, "parameters_to_ignore", set())
+        params = [p for name, p in module.module.named_parameters() if p.requires_grad and name not in ignored]
+        for param in params:
+            self._groups[param] = module.process_group
+        return params
+
+    def __bool__(self) -> bool:
+        return len(self._groups) > 0
+
+    def covers(self, param: torch.Tensor) -> bool:
+        """Whether ``param``'s gradient is DDP's to reduce (registered)."""
+        return param in self._groups
+
+    def drop_reduced(self, params: list[torch.Tensor]) -> None:
+        """Before the move: drop what DDP's reducer wrote into the registered parameters' ``.grad``."""
+        for param in params:
+            if param.grad is not None and param in self._groups:
+                param.grad = None
+
+    def reduce(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Average the masters' float32 sums of the registered parameters among ``pairs`` (low-precision
+        parameter, master) across their DDP groups, as the module docstring says."""
+        batches: dict[tuple[int, torch.device], tuple[Any, list[torch.Tensor]]] = {}
+        for low, master in pairs:
+            group = self._groups.get(low)
+            if group is not None:
+                batches.setdefault((id(group), master.device), (group, []))[1].append(master)
+        for group, masters in batches.values():
+            _average(group, masters)
+
+
+def _average(group: Any, masters: list[torch.Tensor]) -> None:
+    device = masters[0].device
+    parts = [m.grad.reshape(-1) if m.grad is not None else torch.zeros(m.numel(), device=device) for m in masters]
+    flags = torch.tensor([float(m.grad is not None) for m in masters], dtype=torch.float32, device=device)
+    flat = torch.cat([*parts, flags])
+    torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.SUM, group=group)
+    count = flat.numel() - len(masters)
+    sums = flat[:count]
+    sums.div_(torch.distributed.get_world_size(group))
+    present = flat[count:].tolist()  # the one host sync: which masters any rank gave a gradient
+    offset = 0
+    for master, seen in zip(masters, present, strict=True):
+        piece = sums[offset : offset + master.numel()].view(master.shape)
+        offset += master.numel()
+        if not seen:
+            master.grad = None
+        elif master.grad is not None:
+            master.grad.copy_(piece)
+        else:
+            master.grad = piece.clone()
