@@ -40,6 +40,12 @@ class ScalerState(NamedTuple):
     counters: list[int]
     steps: int
 
+    def stats(self) -> dict[str, Any]:
+        """What ``GradScaler.stats()`` reports: the scale, steps, every counter, both trackers."""
+        counters = dict(zip(COUNTERS, self.counters, strict=True))
+        trackers = {"growth_tracker": self.growth_tracker, "hysteresis_tracker": self.hysteresis_tracker}
+        return {"scale": self.scale, "steps": self.steps, **counters, **trackers}
+
 
 def build_state_dict(state: ScalerState) -> dict[str, Any]:
     """torch's five entries, then this scaler's policy, trackers and counters."""

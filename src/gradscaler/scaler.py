@@ -484,11 +484,7 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         snapshot = self._snapshot()
         if self._telemetry is not None and self._monitor.loggers:  # synced already: log every record issued
             self._monitor.after_update(self._telemetry.landed(wait=True))
-        out: dict[str, Any] = {"scale": snapshot.scale, "steps": snapshot.steps}
-        out.update(zip(COUNTERS, snapshot.counters, strict=True))
-        out["growth_tracker"] = snapshot.growth_tracker
-        out["hysteresis_tracker"] = snapshot.hysteresis_tracker
-        return out
+        return snapshot.stats()
 
     @compiled.eager
     def history(self) -> dict[str, list[Any]]:
@@ -539,13 +535,9 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         return self._masters.masters(optimizer)
 
     def register_ddp(self, ddp_model: torch.nn.parallel.DistributedDataParallel) -> None:
-        """Under ``DistributedDataParallel`` with ``accumulate_grads_in_fp32=True``: average the float32
-        gradient sums of ``ddp_model``'s parameters across its process group, in float32, at each move
-        (the first ``unscale_``/``clip_grad_norm_``/``step`` of an iteration): one ``all_reduce`` (SUM) of
-        the sums, then divided by the group's size; the low-precision gradient DDP's reducer writes into
-        ``p.grad`` is dropped. Call once after wrapping the model; ``no_sync()`` on all micro-batches but
-        the last as usual. ``ValueError`` without ``accumulate_grads_in_fp32``, ``TypeError`` for a module
-        that is not DDP; neither registers anything."""
+        """With ``accumulate_grads_in_fp32=True`` under ``DistributedDataParallel``: average ``ddp_model``'s
+        float32 gradient sums over its process group, in float32, at each move (docs/migration.md). Call
+        once after wrapping; ``ValueError`` without the argument, ``TypeError`` for a module not DDP."""
         self._masters.register_ddp(ddp_model)
 
     @compiled.eager
