@@ -45,7 +45,7 @@ LAYERS: dict[str, int] = {
     "__main__": 8,
 }
 INSIDE: dict[str, dict[str, int]] = {
-    "masters": {"checks": 0, "checkpoint": 0, "pairs": 1, "wrappers": 1, "lifecycle": 2, "__init__": 3},
+    "masters": {"checks": 0, "checkpoint": 1, "pairs": 2, "wrappers": 2, "lifecycle": 3, "__init__": 4},
     "record": {
         "telemetry": 0,
         "logsummary": 1,
@@ -257,7 +257,7 @@ def package_with(tmp_path: Path, module: str, line: str) -> Path:
         (
             "masters/pairs.py",
             "from gradscaler.masters import Moved",
-            "masters.pairs (layer 1 in masters) imports masters",
+            "masters.pairs (layer 2 in masters) imports masters",
         ),
         (
             "record/telemetry.py",

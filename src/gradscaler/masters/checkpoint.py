@@ -11,6 +11,7 @@ what they need as callables and never hands its pairs down.
 
 from __future__ import annotations
 
+import functools
 import sys
 import warnings
 from collections.abc import Callable, Container
@@ -18,6 +19,8 @@ from types import FrameType
 from typing import Any
 
 import torch
+
+from gradscaler.masters.checks import PARAM_ATTR
 
 SAVED_KEY = "gradscaler_master_weights"
 """The key the optimizer's ``state_dict`` post-hook adds to each saved param group (removed on load)."""
@@ -140,15 +143,43 @@ _DCP_MODULE = "torch.distributed.checkpoint.state_dict"
 
 
 def _called_from_dcp() -> bool:
-    """Whether a few frames up, torch's distributed-checkpoint helpers asked for the state dict."""
+    """Whether torch's distributed-checkpoint helpers asked for the state dict, however many overrides of
+    ``state_dict`` lie between (the whole stack is read: only at a save of an optimizer with masters)."""
     frame: FrameType | None = sys._getframe(2)
-    for _ in range(8):
-        if frame is None:
-            return False
+    while frame is not None:
         if frame.f_globals.get("__name__") == _DCP_MODULE:
             return True
         frame = frame.f_back
     return False
+
+
+def holds_masters(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` steps a float32 master (bound or copied)."""
+    return any(hasattr(p, PARAM_ATTR) for group in optimizer.param_groups for p in group["params"])
+
+
+_GUARD_ATTR = "_gradscaler_refuses_masters"
+
+
+def guard_dcp() -> None:
+    """Refuse torch's distributed-checkpoint helpers before they change anything: their
+    ``_init_optim_state``, which both ``get_optimizer_state_dict`` and ``set_optimizer_state_dict`` call first,
+    steps an optimizer that has neither state nor gradients with zero gradients at lr 0 (Adam's ``step``
+    then counts a step no batch made) and clears the gradients, model's included. Put in front of it, once,
+    when that module is loaded (``masters`` calls this at each move; importing it here would cost a second)."""
+    module = sys.modules.get(_DCP_MODULE)
+    init = getattr(module, "_init_optim_state", None)
+    if init is None or getattr(init, _GUARD_ATTR, False):
+        return
+
+    @functools.wraps(init)
+    def refusing(optim: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        if holds_masters(optim):
+            raise ValueError(DCP_MESSAGE)
+        return init(optim, *args, **kwargs)
+
+    setattr(refusing, _GUARD_ATTR, True)
+    module._init_optim_state = refusing  # type: ignore[union-attr]
 
 
 def save_hook(bound: Container[int]) -> Callable[[torch.optim.Optimizer, dict[str, Any]], dict[str, Any]]:
@@ -159,11 +190,15 @@ def save_hook(bound: Container[int]) -> Callable[[torch.optim.Optimizer, dict[st
     def hook(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
         saved_state = state_dict["state"]
         for group, saved in zip(optimizer.param_groups, state_dict["param_groups"], strict=True):
-            masters: dict[int, torch.Tensor] = {}
-            state: dict[int, Any] = {}
+            # a loaded entry still waiting for its binding (a block frozen since before this binding) is saved
+            # again as it was loaded: its parameter has no master yet, and its state here is torch's cast of it
+            waiting = saved.get(SAVED_KEY) or {}
+            masters: dict[int, torch.Tensor] = dict(waiting.get("masters", {}))
+            state: dict[int, Any] = dict(waiting.get("state", {}))
             for index, (param, number) in enumerate(zip(group["params"], saved["params"], strict=True)):
                 if id(param) in bound:
                     masters[index] = param.detach()
+                    state.pop(index, None)
                     if number in saved_state:
                         state[index] = saved_state[number]  # the same tensors: torch.save writes them once
             if masters:

@@ -41,7 +41,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from gradscaler import grads
 from gradscaler.kernels import GradStats, grad_stats, move_grads_, moved
@@ -170,7 +169,6 @@ class MasterWeights:
 
     def __init__(self) -> None:
         self._bindings: weakref.WeakKeyDictionary[torch.optim.Optimizer, Binding] = weakref.WeakKeyDictionary()
-        self._owners = WeakIdKeyDictionary()
 
     def __deepcopy__(self, memo: dict[int, Any]) -> MasterWeights:
         return MasterWeights()  # the copy binds its optimizers at first contact, copied masters included
@@ -220,6 +218,7 @@ class MasterWeights:
         pass, and clipping by hand norms them all in one. Otherwise the moved gradients are left to the
         caller's pass over the optimizer's float32 gradients (``Moved.owners`` empty). Returns
         ``NOTHING`` when this iteration's gradients were moved already."""
+        checkpoint.guard_dcp()
         binding = self._bind(optimizer)
         if binding.moved or not binding.pairs:
             return NOTHING
@@ -354,7 +353,7 @@ class MasterWeights:
         if not loaded and not any(stands_in(p) for p in grads.iter_params(optimizer)):
             return binding  # nothing to master (yet): bound when a low-precision parameter appears
         check_inner_optimizers(optimizer)
-        check_params(optimizer, binding.by_master, self._owners, {id(low) for low in binding.lows()})
+        check_params(optimizer, binding.by_master, self._owners(), {id(low) for low in binding.lows()})
         continued: list[str] = []
         with torch.no_grad():
             for number, group in enumerate(optimizer.param_groups):
@@ -381,7 +380,10 @@ class MasterWeights:
         True)."""
         param = group["params"][index]
         value = saved.get("masters", {}).get(index)
-        if needs_master(param, trained(param, optimizer.state) or value is not None):
+        kept_wide = value is not None and param.dtype == torch.float32 and checkpoint.claims(value, param) is not None
+        if kept_wide or needs_master(param, trained(param, optimizer.state) or value is not None):
+            # kept_wide: a float32 parameter equal to its saved master, so bound in float32 when saved
+            # (``block.float()`` on a bound model): it keeps its master, through a later ``block.half()`` too
             master = checkpoint.master_of(param, value)
             loaded = optimizer.state.pop(param, None)
             made = checkpoint.constructed(optimizer, master)
@@ -401,8 +403,16 @@ class MasterWeights:
             return continued is not None
         binding.pairs.append(pair)
         binding.by_master[id(pair.master)] = pair
-        self._owners[pair.low] = weakref.ref(optimizer)
         return False
+
+    def _owners(self) -> dict[int, weakref.ReferenceType[torch.optim.Optimizer]]:
+        """The id of each parameter a master stands for -> a weak reference to that master's optimizer (the
+        bindings hold the parameters; no weak reference to a parameter, which torch's swap refuses)."""
+        return {
+            id(pair.low): weakref.ref(optimizer)
+            for optimizer, binding in self._bindings.items()
+            for pair in binding.pairs
+        }
 
 
 class NoMasters:

@@ -47,17 +47,32 @@ class Pair:
 
     def refresh(self) -> None:
         """Make the master a loaded master value that rounds to the whole parameter as it is now, else the
-        parameter's values wherever the master, rounded to the parameter's dtype when last seen and then to
-        its dtype now, differs from them (a model load of the same values keeps the master's precision, and
-        so does ``model.float()`` or ``model.bfloat16()``), and note the parameter's version and storage."""
+        parameter's values wherever they are no rounding of the master (``_kept``): a model load of the same
+        values keeps the master's precision, and so does a change of dtype (``model.float()``,
+        ``model.bfloat16()``, a bfloat16 evaluation and back); then note the parameter's version and storage."""
         loaded = None if self.pending is None else checkpoint.claims(self.pending, self.low)
         if loaded is not None:
             self.master.copy_(loaded)
-        else:  # rounded as when last seen: a change of dtype or storage that kept the values is no write
-            rounded = self.master.to(self.low_dtype or self.low.dtype).to(self.low.dtype)
-            self.master.copy_(torch.where(rounded != self.low, self.low.to(torch.float32), self.master))
+        else:
+            self.master.copy_(torch.where(self._kept(), self.master, self.low.to(torch.float32)))
         self.pending = None
         self.seen()
+
+    def _kept(self) -> torch.Tensor:
+        """Where the parameter is a rounding of its master. Written in place (its storage and dtype as when last
+        seen): the master rounded to that dtype. Given a new storage (a change of dtype, ``p.data = t``): the
+        master rounded through up to three changes of dtype between float16 and bfloat16 (the ones a loop makes
+        between two moves, each of which the parameter's values went through), then to the dtype it has now."""
+        low = self.low.detach()
+        if _storage(self.low) == self.low_storage and low.dtype == self.low_dtype:
+            return self.master.to(low.dtype) == low
+        kept = self.master.to(low.dtype) == low
+        for first, second in ((torch.float16, torch.bfloat16), (torch.bfloat16, torch.float16)):
+            rounded = self.master
+            for dtype in (first, second, first):
+                rounded = rounded.to(dtype)
+                kept |= rounded.to(low.dtype) == low
+        return kept
 
     def load(self, value: torch.Tensor) -> None:
         """A master value from a checkpoint loaded into the optimizer: taken now if it rounds to the
