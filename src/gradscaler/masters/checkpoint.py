@@ -38,12 +38,26 @@ def master_of(param: torch.Tensor, saved: torch.Tensor | None) -> torch.Tensor:
 
 
 def claims(saved: torch.Tensor, param: torch.Tensor) -> torch.Tensor | None:
-    """``saved`` as a float32 tensor on ``param``'s device if it rounds to ``param`` everywhere, else None
-    (one comparison, at a binding or a load only)."""
+    """``saved`` as a float32 tensor on ``param``'s device if it rounds to ``param`` everywhere
+    (``rounds_to``), else None (at a binding or a load only)."""
     if saved.shape != param.shape:
         return None
     value = saved.detach().to(device=param.device, dtype=torch.float32)
-    return value if bool(torch.equal(value.to(param.dtype), param.detach())) else None
+    return value if bool(rounds_to(value, param).all()) else None
+
+
+def rounds_to(value: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """Where ``low`` is the float32 ``value`` rounded to ``low``'s dtype, directly or through up to three casts
+    between float16 and bfloat16 before it (the changes of dtype a loop makes between two moves, a bfloat16
+    evaluation and back: each rounds the values again)."""
+    low = low.detach()
+    kept = value.to(low.dtype) == low
+    for first, second in ((torch.float16, torch.bfloat16), (torch.bfloat16, torch.float16)):
+        rounded = value
+        for dtype in (first, second, first):
+            rounded = rounded.to(dtype)
+            kept |= rounded.to(low.dtype) == low
+    return kept
 
 
 def state_for_master(
@@ -66,10 +80,33 @@ def state_for_master(
         if key == "step" or not isinstance(value, torch.Tensor) or value.dtype != low_dtype:
             continue
         given = exact.get(key) if exact is not None else None
-        if isinstance(given, torch.Tensor) and given.shape == value.shape and same(given.to(value.dtype), value):
+        if isinstance(given, torch.Tensor) and given.shape == value.shape and _rounds_all(given, value):
             state[key] = given.to(device=value.device, dtype=torch.float32, copy=True)
         else:
             state[key] = value.float()
+    return state
+
+
+def _rounds_all(given: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether the float32 state ``given`` rounds to the loaded ``value`` everywhere (``rounds_to``)."""
+    if not given.is_floating_point() or not value.is_floating_point():
+        return same(given.to(value.dtype), value)
+    return bool(rounds_to(given.detach().to(device=value.device, dtype=torch.float32), value).all())
+
+
+def exact_state(loaded: dict[str, Any] | None, saved: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The state torch loaded into a bound master (cast to float32 from what was saved) with each value
+    the checkpoint also holds in float32 at the same step, where that rounds to it: a checkpoint saved before
+    its optimizer's first move holds the state rounded, and its exact values beside the masters."""
+    if loaded is None or saved is None or not same(saved.get("step"), loaded.get("step")):
+        return loaded
+    state = dict(loaded)
+    for key, value in loaded.items():
+        given = saved.get(key)
+        if key == "step" or not isinstance(value, torch.Tensor) or not isinstance(given, torch.Tensor):
+            continue
+        if given.dtype == torch.float32 and given.shape == value.shape and _rounds_all(given, value):
+            state[key] = given.to(device=value.device, dtype=value.dtype, copy=True)
     return state
 
 
@@ -154,8 +191,10 @@ def _called_from_dcp() -> bool:
 
 
 def holds_masters(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer`` steps a float32 master (bound or copied)."""
-    return any(hasattr(p, PARAM_ATTR) for group in optimizer.param_groups for p in group["params"])
+    """Whether ``optimizer`` steps a float32 master (bound or copied), or holds a checkpoint's masters that wait
+    for their binding."""
+    groups = optimizer.param_groups
+    return any(SAVED_KEY in group or any(hasattr(p, PARAM_ATTR) for p in group["params"]) for group in groups)
 
 
 _GUARD_ATTR = "_gradscaler_refuses_masters"
@@ -214,8 +253,9 @@ def load_hook(
     restore: Callable[[torch.Tensor, torch.Tensor], bool], done: Callable[[], None]
 ) -> Callable[[torch.optim.Optimizer], None]:
     """The ``load_state_dict`` post-hook of a bound optimizer: its groups hold the masters already, so the
-    loaded state kept float32; ``restore(param, saved value)`` for each saved master (False: ``param`` is no
-    master; its saved entry stays in the group for the next binding), then ``done()``."""
+    loaded state kept float32 (with the checkpoint's float32 state where torch's copy was rounded:
+    ``exact_state``); ``restore(param, saved value)`` for each saved master (False: ``param`` is no master; its
+    saved entry stays in the group for the next binding), then ``done()``."""
 
     def hook(optimizer: torch.optim.Optimizer) -> None:
         with torch.no_grad():
@@ -223,7 +263,13 @@ def load_hook(
                 saved = group.pop(SAVED_KEY, None)
                 if not saved:
                     continue
-                left = [i for i, value in saved["masters"].items() if not restore(group["params"][i], value)]
+                left = []
+                for i, value in saved["masters"].items():
+                    param = group["params"][i]
+                    if not restore(param, value):
+                        left.append(i)
+                    elif param in optimizer.state:
+                        optimizer.state[param] = exact_state(optimizer.state[param], saved.get("state", {}).get(i))
                 if left:  # a parameter with no master yet (frozen before this binding): taken at the next move
                     state = saved.get("state", {})
                     group[SAVED_KEY] = {

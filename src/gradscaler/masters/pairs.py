@@ -61,18 +61,12 @@ class Pair:
     def _kept(self) -> torch.Tensor:
         """Where the parameter is a rounding of its master. Written in place (its storage and dtype as when last
         seen): the master rounded to that dtype. Given a new storage (a change of dtype, ``p.data = t``): the
-        master rounded through up to three changes of dtype between float16 and bfloat16 (the ones a loop makes
-        between two moves, each of which the parameter's values went through), then to the dtype it has now."""
+        master rounded to its dtype now, directly or through the changes of dtype a loop makes between two
+        moves (``checkpoint.rounds_to``)."""
         low = self.low.detach()
         if _storage(self.low) == self.low_storage and low.dtype == self.low_dtype:
             return self.master.to(low.dtype) == low
-        kept = self.master.to(low.dtype) == low
-        for first, second in ((torch.float16, torch.bfloat16), (torch.bfloat16, torch.float16)):
-            rounded = self.master
-            for dtype in (first, second, first):
-                rounded = rounded.to(dtype)
-                kept |= rounded.to(low.dtype) == low
-        return kept
+        return checkpoint.rounds_to(self.master, low)
 
     def load(self, value: torch.Tensor) -> None:
         """A master value from a checkpoint loaded into the optimizer: taken now if it rounds to the
