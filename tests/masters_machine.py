@@ -88,6 +88,7 @@ OPTIMIZERS: dict[str, MakeOptimizer] = {
 }
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FORMS = ("list", "generator", "tensor")
+THEN = ("", "save", "save, resume")
 
 
 @contextlib.contextmanager
@@ -214,7 +215,8 @@ class OursSide(Side):
     def waiting(self) -> set[int]:
         """The ids of the optimizer's tensors whose master a load left for the next move (documented: a saved
         master is taken at the next move where the model was loaded after the optimizer, or the parameter had
-        no master yet); from that move on they are compared bit for bit. Reads the binding's pairs."""
+        no master yet; a parameter written since its master's last copy refreshes it there); from that move on
+        they are compared bit for bit. Reads the binding's pairs."""
         optimizer = self.system.optimizer
         found = {
             id(group["params"][index])
@@ -223,7 +225,7 @@ class OursSide(Side):
         }
         binding = self.system.scaler._masters._bindings.get(optimizer)
         if binding is not None:
-            found |= {id(pair.master) for pair in binding.pairs if pair.pending is not None}
+            found |= {id(pair.master) for pair in binding.pairs if pair.pending is not None or pair.written()}
         return found
 
     def masters(self) -> list[torch.Tensor | None]:
@@ -388,21 +390,20 @@ class MastersMachine(RuleBasedStateMachine):
             self.phase = "backward" if self.phase == "idle" else self.phase
 
     @precondition(lambda self: self.grads)
-    @rule()
-    def unscale_(self) -> None:
+    @rule(clip=st.sampled_from([None, None, 1e-3, 0.5]))
+    def unscale_(self, clip: float | None) -> None:
+        """``scaler.unscale_``, then with ``clip`` torch's recipe: ``torch.nn.utils.clip_grad_norm_`` over
+        ``model.parameters()`` (the recipe: over its copies in the model's order)."""
         if self.both("unscale_") is None:
             self.phase = "moved"
+            if clip is not None:
+                self.both("clip_torch", clip)
 
     @precondition(lambda self: self.grads and self.scaler_kind == "gradscaler")
     @rule(max_norm=st.sampled_from([1e-3, 0.5]))
     def clip_scaler(self, max_norm: float) -> None:
         if self.both("clip_scaler", max_norm) is None:
             self.phase = "moved"
-
-    @precondition(lambda self: self.phase == "moved")
-    @rule(max_norm=st.sampled_from([1e-3, 0.5]))
-    def clip_torch(self, max_norm: float) -> None:
-        self.both("clip_torch", max_norm)
 
     @precondition(lambda self: self.grads or self.phase == "moved")
     @rule()
@@ -458,6 +459,7 @@ class MastersMachine(RuleBasedStateMachine):
         if self.both("add", form, held) is None and not held:
             self.config.added = form
 
+    @precondition(lambda self: self.make is not OPTIMIZERS["adamw_fused"])
     @rule()
     def arm_step_failure(self) -> None:
         self.both("arm")
@@ -472,9 +474,22 @@ class MastersMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.phase == "idle" and self.saved is not None)
     @rule(
         order=st.sampled_from(["model-first", "optimizer-first", "bound-model-first", "bound-optimizer-first"]),
-        then_save=st.booleans(),
+        then=st.sampled_from(THEN),
     )
-    def load_fresh(self, order: str, then_save: bool) -> None:
+    def load_fresh(self, order: str, then: str) -> None:
+        self.resume(order)
+        self.then(then)
+
+    def then(self, then: str) -> None:
+        """After a load: nothing, a save right away (a pre-emption handler's, a save-on-start), or that save
+        and a new process resuming from it."""
+        if then:
+            self.save()
+        if then == "save, resume":
+            self.resume("model-first")
+
+    def resume(self, order: str) -> None:
+        """A new process: fresh objects built as the checkpoint's were, then the loads in ``order``."""
         assert self.saved is not None
         blob, snapshot, config = self.saved
         armed = self.ours.system.armed
@@ -488,8 +503,6 @@ class MastersMachine(RuleBasedStateMachine):
         self.ours = fresh
         self.reference.restore(snapshot, into_bound=False)
         self.config, self.grads = copy.deepcopy(config), False
-        if then_save:
-            self.save()
 
     @precondition(
         lambda self: (
@@ -499,15 +512,14 @@ class MastersMachine(RuleBasedStateMachine):
             and self.saved[2].added == self.config.added
         )
     )
-    @rule(optimizer_first=st.booleans(), then_save=st.booleans())
-    def load_bound(self, optimizer_first: bool, then_save: bool) -> None:
+    @rule(optimizer_first=st.booleans(), then=st.sampled_from(THEN))
+    def load_bound(self, optimizer_first: bool, then: str) -> None:
         assert self.saved is not None
         blob, snapshot, _ = self.saved
         self.ours.load(blob, optimizer_first)
         self.reference.restore(snapshot, into_bound=True)
         self.grads = False
-        if then_save:
-            self.save()
+        self.then(then)
 
     @rule(helper=st.sampled_from(["get", "set"]))
     def distributed_checkpoint(self, helper: str) -> None:

@@ -6,8 +6,8 @@ from hypothesis import HealthCheck, settings
 
 from masters_machine import MastersMachine
 
-EXAMPLES = 40
-STEPS = 40
+EXAMPLES = 100
+STEPS = 50
 
 TestMastersMachine = MastersMachine.TestCase
 TestMastersMachine.settings = settings(

@@ -14,13 +14,13 @@ from __future__ import annotations
 import functools
 import sys
 import warnings
-from collections.abc import Callable, Container
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
 import torch
 
-from gradscaler.masters.checks import PARAM_ATTR
+from gradscaler.masters.checks import LOW_PRECISION, PARAM_ATTR
 
 SAVED_KEY = "gradscaler_master_weights"
 """The key the optimizer's ``state_dict`` post-hook adds to each saved param group (removed on load)."""
@@ -77,8 +77,8 @@ def state_for_master(
     same_step = saved is not None and same(saved.get("step"), loaded.get("step"))
     exact = saved if same_step else made if made and _untouched(loaded) else None
     for key, value in state.items():
-        if key == "step" or not isinstance(value, torch.Tensor) or value.dtype != low_dtype:
-            continue
+        if key == "step" or not isinstance(value, torch.Tensor) or value.dtype not in LOW_PRECISION:
+            continue  # float16 or bfloat16: torch's cast when loaded, the dtype the parameter had then
         given = exact.get(key) if exact is not None else None
         if isinstance(given, torch.Tensor) and given.shape == value.shape and _rounds_all(given, value):
             state[key] = given.to(device=value.device, dtype=torch.float32, copy=True)
@@ -221,10 +221,12 @@ def guard_dcp() -> None:
     module._init_optim_state = refusing  # type: ignore[union-attr]
 
 
-def save_hook(bound: Container[int]) -> Callable[[torch.optim.Optimizer, dict[str, Any]], dict[str, Any]]:
-    """The ``state_dict`` post-hook: each saved group gets its masters (the parameters whose ids are in
-    ``bound``) and their float32 state. ``ValueError`` (``DCP_MESSAGE``) when torch's distributed-checkpoint
-    helpers ask, which would fail on the masters with a bare ``KeyError``."""
+def save_hook(
+    value_of: Callable[[torch.Tensor], torch.Tensor | None],
+) -> Callable[[torch.optim.Optimizer, dict[str, Any]], dict[str, Any]]:
+    """The ``state_dict`` post-hook: each saved group gets its masters (``value_of(param)``: the value to save
+    for a master, None for a parameter that is none) and their float32 state. ``ValueError`` (``DCP_MESSAGE``)
+    when torch's distributed-checkpoint helpers ask, which would fail on the masters with a bare ``KeyError``."""
 
     def hook(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
         saved_state = state_dict["state"]
@@ -235,8 +237,9 @@ def save_hook(bound: Container[int]) -> Callable[[torch.optim.Optimizer, dict[st
             masters: dict[int, torch.Tensor] = dict(waiting.get("masters", {}))
             state: dict[int, Any] = dict(waiting.get("state", {}))
             for index, (param, number) in enumerate(zip(group["params"], saved["params"], strict=True)):
-                if id(param) in bound:
-                    masters[index] = param.detach()
+                value = value_of(param)
+                if value is not None:
+                    masters[index] = value
                     state.pop(index, None)
                     if number in saved_state:
                         state[index] = saved_state[number]  # the same tensors: torch.save writes them once

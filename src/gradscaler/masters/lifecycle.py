@@ -364,7 +364,7 @@ class MasterWeights:
         if continued:
             checkpoint.warn_continued(continued)
         if fresh:  # the hooks of an earlier binding (another scaler's) give way: one binding steers
-            save = checkpoint.save_hook(binding.by_master)
+            save = checkpoint.save_hook(binding.saved_value)
             load = checkpoint.load_hook(binding.restore, functools.partial(_end, binding))
             binding.hooks = checkpoint.install_hooks(optimizer, save, load)
             optimizer.zero_grad = ZeroGradBoth(optimizer, binding.lows)  # type: ignore[method-assign]

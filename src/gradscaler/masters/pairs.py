@@ -102,6 +102,15 @@ class Binding:
             pair.load(value)
         return True
 
+    def saved_value(self, param: torch.Tensor) -> torch.Tensor | None:
+        """What a checkpoint saves for the optimizer's parameter ``param``: the master's value, or the loaded
+        value it has not taken yet (the optimizer loaded before the model: taken at the next move); None
+        when ``param`` is no master."""
+        pair = self.by_master.get(id(param))
+        if pair is None:
+            return None
+        return (pair.pending if pair.pending is not None else pair.master).detach()
+
     def end(self) -> None:
         """The iteration is over: the next contact moves afresh (``masters`` also closes the clipping route)."""
         self.moved = False
