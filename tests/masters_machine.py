@@ -89,6 +89,7 @@ OPTIMIZERS: dict[str, MakeOptimizer] = {
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FORMS = ("list", "generator", "tensor")
 THEN = ("", "save", "save, resume")
+ORDERS = ("model-first", "optimizer-first", "bound-model-first", "bound-optimizer-first")
 
 
 @contextlib.contextmanager
@@ -412,6 +413,24 @@ class MastersMachine(RuleBasedStateMachine):
         if self.both("step") is None:
             self.phase = "moved" if self.ours.system.raised > raised else "stepped"  # a retry steps unscaled
 
+    @precondition(lambda self: self.phase == "idle")
+    @rule(
+        clip=st.sampled_from(["", "torch", "scaler"]),
+        inject=st.sampled_from(["", "", "inf"]),
+        use_block=st.booleans(),
+    )
+    def iteration(self, clip: str, inject: str, use_block: bool) -> None:
+        """A whole training iteration, as a loop writes it: ``optimizer.zero_grad()``, backward, the clipping
+        (torch's recipe after ``unscale_``, or ``scaler.clip_grad_norm_``), ``step``, ``update``."""
+        self.zero_grad("optimizer", True)
+        self.backward(use_block=use_block, inject=inject, layer="head")
+        if clip == "torch":
+            self.unscale_(clip=0.5)
+        elif clip == "scaler" and self.scaler_kind == "gradscaler":
+            self.clip_scaler(max_norm=0.5)
+        self.step()
+        self.update()
+
     @rule()
     def update(self) -> None:
         if self.phase == "idle" and not self.grads:
@@ -473,7 +492,7 @@ class MastersMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.phase == "idle" and self.saved is not None)
     @rule(
-        order=st.sampled_from(["model-first", "optimizer-first", "bound-model-first", "bound-optimizer-first"]),
+        order=st.sampled_from(ORDERS),
         then=st.sampled_from(THEN),
     )
     def load_fresh(self, order: str, then: str) -> None:
@@ -503,6 +522,13 @@ class MastersMachine(RuleBasedStateMachine):
         self.ours = fresh
         self.reference.restore(snapshot, into_bound=False)
         self.config, self.grads = copy.deepcopy(config), False
+
+    @precondition(lambda self: self.phase == "idle")
+    @rule(order=st.sampled_from(ORDERS), then=st.sampled_from(THEN))
+    def save_and_resume(self, order: str, then: str) -> None:
+        """A checkpoint now and a new process resuming from it (a pre-emption), in ``order``."""
+        self.save()
+        self.load_fresh(order=order, then=then)
 
     @precondition(
         lambda self: (

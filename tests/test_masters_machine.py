@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, settings
 
 from masters_machine import MastersMachine
 
-EXAMPLES = 100
+EXAMPLES = 60
 STEPS = 50
 
 TestMastersMachine = MastersMachine.TestCase

@@ -77,12 +77,12 @@ def state_for_master(
     same_step = saved is not None and same(saved.get("step"), loaded.get("step"))
     exact = saved if same_step else made if made and _untouched(loaded) else None
     for key, value in state.items():
-        if key == "step" or not isinstance(value, torch.Tensor) or value.dtype not in LOW_PRECISION:
-            continue  # float16 or bfloat16: torch's cast when loaded, the dtype the parameter had then
+        if key == "step" or not isinstance(value, torch.Tensor) or value.dtype not in (*LOW_PRECISION, torch.float32):
+            continue  # torch's cast when loaded, to the dtype the parameter had then (float32 after block.float())
         given = exact.get(key) if exact is not None else None
         if isinstance(given, torch.Tensor) and given.shape == value.shape and _rounds_all(given, value):
             state[key] = given.to(device=value.device, dtype=torch.float32, copy=True)
-        else:
+        elif value.dtype in LOW_PRECISION:
             state[key] = value.float()
     return state
 
