@@ -380,7 +380,7 @@ class MasterWeights:
         True)."""
         param = group["params"][index]
         value = saved.get("masters", {}).get(index)
-        kept_wide = value is not None and param.dtype == torch.float32 and checkpoint.claims(value, param) is not None
+        kept_wide = value is not None and param.dtype == torch.float32 and checkpoint.same(value, param.detach())
         if kept_wide or needs_master(param, trained(param, optimizer.state) or value is not None):
             # kept_wide: a float32 parameter equal to its saved master, so bound in float32 when saved
             # (``block.float()`` on a bound model): it keeps its master, through a later ``block.half()`` too
@@ -400,6 +400,9 @@ class MasterWeights:
             continued = None if value is None else checkpoint.continues(value, param)
             if continued is not None:
                 param.copy_(continued)
+                if param in optimizer.state:  # a checkpoint saved before its first move holds the state rounded
+                    state = saved.get("state", {}).get(index)
+                    optimizer.state[param] = checkpoint.exact_state(optimizer.state[param], state)
             return continued is not None
         binding.pairs.append(pair)
         binding.by_master[id(pair.master)] = pair
