@@ -47,13 +47,13 @@ LAYERS: dict[str, int] = {
 INSIDE: dict[str, dict[str, int]] = {
     "masters": {
         "checks": 0,
-        "checkpoint": 0,
         "ddp": 0,
-        "pairs": 1,
-        "wrappers": 1,
-        "accumulate": 2,
-        "lifecycle": 3,
-        "__init__": 4,
+        "checkpoint": 1,
+        "pairs": 2,
+        "wrappers": 2,
+        "accumulate": 3,
+        "lifecycle": 4,
+        "__init__": 5,
     },
     "record": {
         "telemetry": 0,
@@ -268,7 +268,7 @@ def package_with(tmp_path: Path, module: str, line: str) -> Path:
         (
             "masters/pairs.py",
             "from gradscaler.masters import Moved",
-            "masters.pairs (layer 1 in masters) imports masters",
+            "masters.pairs (layer 2 in masters) imports masters",
         ),
         (
             "record/telemetry.py",

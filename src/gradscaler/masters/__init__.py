@@ -5,11 +5,11 @@ The package, lowest first; a file imports only files above it in this list (test
 - ``checks``: which parameters get a master (``needs_master``, ``trained``, ``stands_in``) and every
   refusal with its message (meta or sparse parameters, one held twice or by two optimizers, an inner
   optimizer, a gradient written after the move, a disabled scaler).
+- ``ddp``: ``scaler.register_ddp(ddp_model)``: the parameters DDP reduces and its process group; at the
+  move, DDP's reduced low-precision gradient dropped and the float32 sums averaged across the group.
 - ``checkpoint``: the optimizer's state-dict hooks and which saved master or state a binding or a load
   takes (``claims``, ``master_of``, ``state_for_master``, ``continues`` and its ``ContinuedWarning``);
   the refusal of torch's distributed-checkpoint helpers.
-- ``ddp``: ``scaler.register_ddp(ddp_model)``: the parameters DDP reduces and its process group; at the
-  move, DDP's reduced low-precision gradient dropped and the float32 sums averaged across the group.
 - ``pairs``: ``Pair`` (one low-precision parameter and its master) and ``Binding`` (an optimizer's pairs).
 - ``wrappers``: what reaches the masters through the user's objects: ``unwrap`` of Accelerate's and
   Lightning's wrappers, ``clip_grad_norm_`` routed through the masters, ``zero_grad`` and

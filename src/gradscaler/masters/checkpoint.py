@@ -11,14 +11,16 @@ what they need as callables and never hands its pairs down.
 
 from __future__ import annotations
 
+import functools
 import sys
-from collections.abc import Callable, Container
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
 import torch
 
 from gradscaler.errors import warn
+from gradscaler.masters.checks import LOW_PRECISION, PARAM_ATTR
 
 SAVED_KEY = "gradscaler_master_weights"
 """The key the optimizer's ``state_dict`` post-hook adds to each saved param group (removed on load)."""
@@ -36,12 +38,26 @@ def master_of(param: torch.Tensor, saved: torch.Tensor | None) -> torch.Tensor:
 
 
 def claims(saved: torch.Tensor, param: torch.Tensor) -> torch.Tensor | None:
-    """``saved`` as a float32 tensor on ``param``'s device if it rounds to ``param`` everywhere, else None
-    (one comparison, at a binding or a load only)."""
+    """``saved`` as a float32 tensor on ``param``'s device if it rounds to ``param`` everywhere
+    (``rounds_to``), else None (at a binding or a load only)."""
     if saved.shape != param.shape:
         return None
     value = saved.detach().to(device=param.device, dtype=torch.float32)
-    return value if bool(torch.equal(value.to(param.dtype), param.detach())) else None
+    return value if bool(rounds_to(value, param).all()) else None
+
+
+def rounds_to(value: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """Where ``low`` is the float32 ``value`` rounded to ``low``'s dtype, directly or through up to three casts
+    between float16 and bfloat16 before it (the changes of dtype a loop makes between two moves, a bfloat16
+    evaluation and back: each rounds the values again)."""
+    low = low.detach()
+    kept = value.to(low.dtype) == low
+    for first, second in ((torch.float16, torch.bfloat16), (torch.bfloat16, torch.float16)):
+        rounded = value
+        for dtype in (first, second, first):
+            rounded = rounded.to(dtype)
+            kept |= rounded.to(low.dtype) == low
+    return kept
 
 
 def state_for_master(
@@ -61,13 +77,36 @@ def state_for_master(
     same_step = saved is not None and same(saved.get("step"), loaded.get("step"))
     exact = saved if same_step else made if made and _untouched(loaded) else None
     for key, value in state.items():
-        if key == "step" or not isinstance(value, torch.Tensor) or value.dtype != low_dtype:
-            continue
+        if key == "step" or not isinstance(value, torch.Tensor) or value.dtype not in (*LOW_PRECISION, torch.float32):
+            continue  # torch's cast when loaded, to the dtype the parameter had then (float32 after block.float())
         given = exact.get(key) if exact is not None else None
-        if isinstance(given, torch.Tensor) and given.shape == value.shape and same(given.to(value.dtype), value):
+        if isinstance(given, torch.Tensor) and given.shape == value.shape and _rounds_all(given, value):
             state[key] = given.to(device=value.device, dtype=torch.float32, copy=True)
-        else:
+        elif value.dtype in LOW_PRECISION:
             state[key] = value.float()
+    return state
+
+
+def _rounds_all(given: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether the float32 state ``given`` rounds to the loaded ``value`` everywhere (``rounds_to``)."""
+    if not given.is_floating_point() or not value.is_floating_point():
+        return same(given.to(value.dtype), value)
+    return bool(rounds_to(given.detach().to(device=value.device, dtype=torch.float32), value).all())
+
+
+def exact_state(loaded: dict[str, Any] | None, saved: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The state torch loaded into a bound master (cast to float32 from what was saved) with each value
+    the checkpoint also holds in float32 at the same step, where that rounds to it: a checkpoint saved before
+    its optimizer's first move holds the state rounded, and its exact values beside the masters."""
+    if loaded is None or saved is None or not same(saved.get("step"), loaded.get("step")):
+        return loaded
+    state = dict(loaded)
+    for key, value in loaded.items():
+        given = saved.get(key)
+        if key == "step" or not isinstance(value, torch.Tensor) or not isinstance(given, torch.Tensor):
+            continue
+        if given.dtype == torch.float32 and given.shape == value.shape and _rounds_all(given, value):
+            state[key] = given.to(device=value.device, dtype=value.dtype, copy=True)
     return state
 
 
@@ -141,30 +180,67 @@ _DCP_MODULE = "torch.distributed.checkpoint.state_dict"
 
 
 def _called_from_dcp() -> bool:
-    """Whether a few frames up, torch's distributed-checkpoint helpers asked for the state dict."""
+    """Whether torch's distributed-checkpoint helpers asked for the state dict, however many overrides of
+    ``state_dict`` lie between (the whole stack is read: only at a save of an optimizer with masters)."""
     frame: FrameType | None = sys._getframe(2)
-    for _ in range(8):
-        if frame is None:
-            return False
+    while frame is not None:
         if frame.f_globals.get("__name__") == _DCP_MODULE:
             return True
         frame = frame.f_back
     return False
 
 
-def save_hook(bound: Container[int]) -> Callable[[torch.optim.Optimizer, dict[str, Any]], dict[str, Any]]:
-    """The ``state_dict`` post-hook: each saved group gets its masters (the parameters whose ids are in
-    ``bound``) and their float32 state. ``ValueError`` (``DCP_MESSAGE``) when torch's distributed-checkpoint
-    helpers ask, which would fail on the masters with a bare ``KeyError``."""
+def holds_masters(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` steps a float32 master (bound or copied), or holds a checkpoint's masters that wait
+    for their binding."""
+    groups = optimizer.param_groups
+    return any(SAVED_KEY in group or any(hasattr(p, PARAM_ATTR) for p in group["params"]) for group in groups)
+
+
+_GUARD_ATTR = "_gradscaler_refuses_masters"
+
+
+def guard_dcp() -> None:
+    """Refuse torch's distributed-checkpoint helpers before they change anything: their
+    ``_init_optim_state``, which both ``get_optimizer_state_dict`` and ``set_optimizer_state_dict`` call first,
+    steps an optimizer that has neither state nor gradients with zero gradients at lr 0 (Adam's ``step``
+    then counts a step no batch made) and clears the gradients, model's included. Put in front of it, once,
+    when that module is loaded (``masters`` calls this at each move; importing it here would cost a second)."""
+    module = sys.modules.get(_DCP_MODULE)
+    init = getattr(module, "_init_optim_state", None)
+    if init is None or getattr(init, _GUARD_ATTR, False):
+        return
+
+    @functools.wraps(init)
+    def refusing(optim: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        if holds_masters(optim):
+            raise ValueError(DCP_MESSAGE)
+        return init(optim, *args, **kwargs)
+
+    setattr(refusing, _GUARD_ATTR, True)
+    module._init_optim_state = refusing  # type: ignore[union-attr]
+
+
+def save_hook(
+    value_of: Callable[[torch.Tensor], torch.Tensor | None],
+) -> Callable[[torch.optim.Optimizer, dict[str, Any]], dict[str, Any]]:
+    """The ``state_dict`` post-hook: each saved group gets its masters (``value_of(param)``: the value to save
+    for a master, None for a parameter that is none) and their float32 state. ``ValueError`` (``DCP_MESSAGE``)
+    when torch's distributed-checkpoint helpers ask, which would fail on the masters with a bare ``KeyError``."""
 
     def hook(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
         saved_state = state_dict["state"]
         for group, saved in zip(optimizer.param_groups, state_dict["param_groups"], strict=True):
-            masters: dict[int, torch.Tensor] = {}
-            state: dict[int, Any] = {}
+            # a loaded entry still waiting for its binding (a block frozen since before this binding) is saved
+            # again as it was loaded: its parameter has no master yet, and its state here is torch's cast of it
+            waiting = saved.get(SAVED_KEY) or {}
+            masters: dict[int, torch.Tensor] = dict(waiting.get("masters", {}))
+            state: dict[int, Any] = dict(waiting.get("state", {}))
             for index, (param, number) in enumerate(zip(group["params"], saved["params"], strict=True)):
-                if id(param) in bound:
-                    masters[index] = param.detach()
+                value = value_of(param)
+                if value is not None:
+                    masters[index] = value
+                    state.pop(index, None)
                     if number in saved_state:
                         state[index] = saved_state[number]  # the same tensors: torch.save writes them once
             if masters:
@@ -180,8 +256,9 @@ def load_hook(
     restore: Callable[[torch.Tensor, torch.Tensor], bool], done: Callable[[], None]
 ) -> Callable[[torch.optim.Optimizer], None]:
     """The ``load_state_dict`` post-hook of a bound optimizer: its groups hold the masters already, so the
-    loaded state kept float32; ``restore(param, saved value)`` for each saved master (False: ``param`` is no
-    master; its saved entry stays in the group for the next binding), then ``done()``."""
+    loaded state kept float32 (with the checkpoint's float32 state where torch's copy was rounded:
+    ``exact_state``); ``restore(param, saved value)`` for each saved master (False: ``param`` is no master; its
+    saved entry stays in the group for the next binding), then ``done()``."""
 
     def hook(optimizer: torch.optim.Optimizer) -> None:
         with torch.no_grad():
@@ -189,7 +266,13 @@ def load_hook(
                 saved = group.pop(SAVED_KEY, None)
                 if not saved:
                     continue
-                left = [i for i, value in saved["masters"].items() if not restore(group["params"][i], value)]
+                left = []
+                for i, value in saved["masters"].items():
+                    param = group["params"][i]
+                    if not restore(param, value):
+                        left.append(i)
+                    elif param in optimizer.state:
+                        optimizer.state[param] = exact_state(optimizer.state[param], saved.get("state", {}).get(i))
                 if left:  # a parameter with no master yet (frozen before this binding): taken at the next move
                     state = saved.get("state", {})
                     group[SAVED_KEY] = {

@@ -77,11 +77,11 @@ def stands_in(param: torch.Tensor, trained: bool = False) -> bool:
 
 
 def check_params(
-    optimizer: torch.optim.Optimizer, bound: Container[int], owners: Mapping[Any, Any], lows: Container[int]
+    optimizer: torch.optim.Optimizer, bound: Container[int], owners: Mapping[int, Any], lows: Container[int]
 ) -> None:
     """Refuse, before changing anything, a parameter no master can be built for or one held twice.
 
-    ``bound``: the ids of the masters bound already (checked when they were bound); ``owners``: each
+    ``bound``: the ids of the masters bound already (checked when they were bound); ``owners``: the id of each
     low-precision parameter -> a weak reference to the optimizer whose master stands for it; ``lows``:
     the ids of the parameters ``optimizer``'s masters stand for (one of them back in its groups is held
     twice: once as itself, once as its master)."""
@@ -100,7 +100,7 @@ def check_params(
                 continue
             if param.dtype != torch.float32:
                 check_buildable(name, param)
-            owner = owners.get(getattr(param, PARAM_ATTR, param))
+            owner = owners.get(id(getattr(param, PARAM_ATTR, param)))
             if owner is not None and owner() is not None and owner() is not optimizer:
                 raise ValueError(
                     f"master_weights=True: {name} already has a float32 master in another optimizer stepped "

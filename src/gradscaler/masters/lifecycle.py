@@ -41,7 +41,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from gradscaler import grads
 from gradscaler.kernels import GradStats, grad_stats, move_grads_, moved
@@ -172,7 +171,6 @@ class MasterWeights:
 
     def __init__(self, accumulate: bool = False) -> None:
         self._bindings: weakref.WeakKeyDictionary[torch.optim.Optimizer, Binding] = weakref.WeakKeyDictionary()
-        self._owners = WeakIdKeyDictionary()
         self._sums = Accumulation() if accumulate else None  # accumulate_grads_in_fp32 (``accumulate``)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> MasterWeights:
@@ -235,6 +233,7 @@ class MasterWeights:
         pass, and clipping by hand norms them all in one. Otherwise the moved gradients are left to the
         caller's pass over the optimizer's float32 gradients (``Moved.owners`` empty). Returns
         ``NOTHING`` when this iteration's gradients were moved already."""
+        checkpoint.guard_dcp()
         binding = self._bind(optimizer)
         if binding.moved or not binding.pairs:
             return NOTHING
@@ -384,7 +383,7 @@ class MasterWeights:
         if self._sums is not None:
             self._sums.refuse_sharded(list(grads.iter_params(optimizer)))
         check_inner_optimizers(optimizer)
-        check_params(optimizer, binding.by_master, self._owners, {id(low) for low in binding.lows()})
+        check_params(optimizer, binding.by_master, self._owners(), {id(low) for low in binding.lows()})
         continued: list[str] = []
         with torch.no_grad():
             for number, group in enumerate(optimizer.param_groups):
@@ -395,7 +394,7 @@ class MasterWeights:
         if continued:
             checkpoint.warn_continued(continued)
         if fresh:  # the hooks of an earlier binding (another scaler's) give way: one binding steers
-            save = checkpoint.save_hook(binding.by_master)
+            save = checkpoint.save_hook(binding.saved_value)
             load = checkpoint.load_hook(binding.restore, functools.partial(_end, binding))
             binding.hooks = checkpoint.install_hooks(optimizer, save, load)
             optimizer.zero_grad = ZeroGradBoth(optimizer, binding.lows)  # type: ignore[method-assign]
@@ -414,7 +413,10 @@ class MasterWeights:
         True)."""
         param = group["params"][index]
         value = saved.get("masters", {}).get(index)
-        if needs_master(param, trained(param, optimizer.state) or value is not None):
+        kept_wide = value is not None and param.dtype == torch.float32 and checkpoint.same(value, param.detach())
+        if kept_wide or needs_master(param, trained(param, optimizer.state) or value is not None):
+            # kept_wide: a float32 parameter equal to its saved master, so bound in float32 when saved
+            # (``block.float()`` on a bound model): it keeps its master, through a later ``block.half()`` too
             master = checkpoint.master_of(param, value)
             loaded = optimizer.state.pop(param, None)
             made = checkpoint.constructed(optimizer, master)
@@ -431,11 +433,22 @@ class MasterWeights:
             continued = None if value is None else checkpoint.continues(value, param)
             if continued is not None:
                 param.copy_(continued)
+                if param in optimizer.state:  # a checkpoint saved before its first move holds the state rounded
+                    state = saved.get("state", {}).get(index)
+                    optimizer.state[param] = checkpoint.exact_state(optimizer.state[param], state)
             return continued is not None
         binding.pairs.append(pair)
         binding.by_master[id(pair.master)] = pair
-        self._owners[pair.low] = weakref.ref(optimizer)
         return False
+
+    def _owners(self) -> dict[int, weakref.ReferenceType[torch.optim.Optimizer]]:
+        """The id of each parameter a master stands for -> a weak reference to that master's optimizer (the
+        bindings hold the parameters; no weak reference to a parameter, which torch's swap refuses)."""
+        return {
+            id(pair.low): weakref.ref(optimizer)
+            for optimizer, binding in self._bindings.items()
+            for pair in binding.pairs
+        }
 
 
 class NoMasters:

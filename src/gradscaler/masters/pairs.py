@@ -47,17 +47,26 @@ class Pair:
 
     def refresh(self) -> None:
         """Make the master a loaded master value that rounds to the whole parameter as it is now, else the
-        parameter's values wherever the master, rounded to the parameter's dtype when last seen and then to
-        its dtype now, differs from them (a model load of the same values keeps the master's precision, and
-        so does ``model.float()`` or ``model.bfloat16()``), and note the parameter's version and storage."""
+        parameter's values wherever they are no rounding of the master (``_kept``): a model load of the same
+        values keeps the master's precision, and so does a change of dtype (``model.float()``,
+        ``model.bfloat16()``, a bfloat16 evaluation and back); then note the parameter's version and storage."""
         loaded = None if self.pending is None else checkpoint.claims(self.pending, self.low)
         if loaded is not None:
             self.master.copy_(loaded)
-        else:  # rounded as when last seen: a change of dtype or storage that kept the values is no write
-            rounded = self.master.to(self.low_dtype or self.low.dtype).to(self.low.dtype)
-            self.master.copy_(torch.where(rounded != self.low, self.low.to(torch.float32), self.master))
+        else:
+            self.master.copy_(torch.where(self._kept(), self.master, self.low.to(torch.float32)))
         self.pending = None
         self.seen()
+
+    def _kept(self) -> torch.Tensor:
+        """Where the parameter is a rounding of its master. Written in place (its storage and dtype as when last
+        seen): the master rounded to that dtype. Given a new storage (a change of dtype, ``p.data = t``): the
+        master rounded to its dtype now, directly or through the changes of dtype a loop makes between two
+        moves (``checkpoint.rounds_to``)."""
+        low = self.low.detach()
+        if _storage(self.low) == self.low_storage and low.dtype == self.low_dtype:
+            return self.master.to(low.dtype) == low
+        return checkpoint.rounds_to(self.master, low)
 
     def load(self, value: torch.Tensor) -> None:
         """A master value from a checkpoint loaded into the optimizer: taken now if it rounds to the
@@ -92,6 +101,15 @@ class Binding:
         if value.shape == pair.master.shape:
             pair.load(value)
         return True
+
+    def saved_value(self, param: torch.Tensor) -> torch.Tensor | None:
+        """What a checkpoint saves for the optimizer's parameter ``param``: the master's value, or the loaded
+        value it has not taken yet (the optimizer loaded before the model: taken at the next move); None
+        when ``param`` is no master."""
+        pair = self.by_master.get(id(param))
+        if pair is None:
+            return None
+        return (pair.pending if pair.pending is not None else pair.master).detach()
 
     def end(self) -> None:
         """The iteration is over: the next contact moves afresh (``masters`` also closes the clipping route)."""

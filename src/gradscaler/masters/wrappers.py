@@ -17,33 +17,54 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from gradscaler import compiled
-from gradscaler.masters.checks import LOW_PRECISION
+from gradscaler.masters.checks import LOW_PRECISION, PARAM_ATTR
 
-# Low-precision parameters whose gradients are in their masters this iteration -> those masters, for
-# every scaler: ``stand_ins`` lets a clipping call over ``model.parameters()`` reach the masters.
-_MOVED = WeakIdKeyDictionary()  # weakref's own dictionary compares tensors with ==
+# id of a parameter whose gradient is in its master this iteration -> a weak reference to that master, for
+# every scaler: ``stand_ins`` lets a clipping call over ``model.parameters()`` reach the masters. Keyed by id and
+# weak on the master only: a weak reference to the parameter itself would make torch refuse to swap it
+# (``torch.__future__.set_swap_module_params_on_conversion(True)``: "Cannot swap t1 because it has weakref").
+_MOVED: dict[int, weakref.ReferenceType[torch.Tensor]] = {}
+# the ids among them of parameters that are not float16/bfloat16 (``model.float()`` on a bound model)
+_WIDE: set[int] = set()
 torch_clip_grad_norm_ = torch.nn.utils.clip_grad_norm_
 """torch's own ``clip_grad_norm_``, as torch defines it."""
 
 
 def route(low: torch.Tensor, master: torch.Tensor) -> None:
     """``low``'s gradient is now ``master``'s: a clipping over ``low`` clips ``master``."""
-    _MOVED[low] = master
+    key = id(low)
+
+    def gone(ref: weakref.ReferenceType[torch.Tensor]) -> None:
+        if _MOVED.get(key) is ref:
+            del _MOVED[key]
+            _WIDE.discard(key)
+
+    _MOVED[key] = weakref.ref(master, gone)
+    if low.dtype in LOW_PRECISION:
+        _WIDE.discard(key)
+    else:
+        _WIDE.add(key)
 
 
 def unroute(low: torch.Tensor) -> None:
     """``low``'s iteration is over: a clipping over it clips it again."""
-    _MOVED.pop(low, None)
+    _MOVED.pop(id(low), None)
+    _WIDE.discard(id(low))
 
 
-@compiled.eager  # a weak dictionary, which Dynamo skips: one break, only for low-precision parameters
+def _stand_in(param: torch.Tensor) -> torch.Tensor:
+    ref = _MOVED.get(id(param))
+    master = None if ref is None else ref()
+    return master if master is not None and getattr(master, PARAM_ATTR, None) is param else param
+
+
+@compiled.eager  # a dictionary of weak references, which Dynamo skips: one break, only with routed parameters
 def stand_ins(params: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``params`` with each low-precision parameter whose gradient a scaler has moved this iteration
-    replaced by its master (whose gradient is the one the optimizer steps with)."""
-    return [_MOVED.get(p, p) for p in params]
+    """``params`` with each parameter whose gradient a scaler has moved this iteration replaced by its
+    master (whose gradient is the one the optimizer steps with)."""
+    return [_stand_in(p) for p in params]
 
 
 def clip_grad_norm_(parameters: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -53,7 +74,7 @@ def clip_grad_norm_(parameters: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
     recipe, nanoGPT, Accelerate and the HF Trainer); every other parameter as torch clips it. Without
     a low-precision parameter it is torch's call, traced as such in compiled code."""
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    if any(p.dtype in LOW_PRECISION for p in params):
+    if _WIDE or any(p.dtype in LOW_PRECISION for p in params):  # _WIDE: a bound model cast to float32
         params = stand_ins(params)
     return torch_clip_grad_norm_(params, *args, **kwargs)
 

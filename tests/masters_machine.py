@@ -1,0 +1,667 @@
+"""The master weights as a state machine: every operation a loop can do, in any order, against the recipe by hand.
+
+``MastersMachine`` (Hypothesis's ``RuleBasedStateMachine``) drives one small model (``masters_net.Net``) twice:
+``Ours``, through ``GradScaler(master_weights=True)`` over the user's optimizer, and ``Reference``, the recipe by
+hand of tests/recipe.py (float32 copies, torch's scaler over an optimizer of the copies, copy back after an
+applied step). Every rule runs on both sides; a rule that raises must raise the same error (type and message) on
+both, and one that only ours refuses (torch's distributed-checkpoint helpers) must change nothing. After every
+rule, refusals included, the invariant compares bit for bit: each parameter (dtype, values, ``requires_grad``),
+each master (ours: the master of a bound parameter; the recipe: its copy; either: the parameter in float32 where
+there is none), the optimizer's groups and state by position, and the scaler's scale and growth tracker; each
+``step`` also compares the skip decision.
+
+Rules: ``backward`` (a batch, with or without the ``block`` layer, i.e. a parameter without a gradient, with or
+without an inf or NaN injected into one layer's gradient), ``unscale_``, ``scaler.clip_grad_norm_``, torch's
+``clip_grad_norm_`` over ``model.parameters()``, ``step``, ``update``, ``zero_grad`` from the optimizer or the model
+with ``set_to_none`` both ways, freezing and unfreezing a layer, switching one layer or all of them to float16,
+bfloat16 or float32 with torch's swap-tensors future on or off, ``add_param_group`` in torch's forms (a list, a
+generator, one tensor per group) and one holding a parameter the optimizer has (refused as torch refuses it),
+``save`` to bytes, loads into fresh objects (the model's checkpoint first, the optimizer's first, each after an
+iteration that bound the fresh optimizer) or into the bound objects, each optionally followed at once by a save,
+``get_optimizer_state_dict``/``set_optimizer_state_dict`` (refused), and arming an exception inside the next
+``optimizer.step``; and two rules that are sequences of the others, so that the flows users write lie within a
+small budget's reach: ``iteration`` (``zero_grad``, backward, a clipping, ``step``, ``update``) and
+``save_and_resume`` (a checkpoint now and a new process resuming from it). Optimizers: AdamW (foreach, behind
+five subclasses that override ``state_dict``, as wrappers stack), fused AdamW, SGD with momentum, Adagrad;
+starting scales 2**14 (applied steps) or 2**40 (every step skipped for a long while, so the optimizer has no
+state).
+
+References other than the recipe by hand, where the docs name them and nowhere else: ``scaler.clip_grad_norm_``
+is compared with the recipe clipping its copies with a gradscaler ``GradScaler`` (docs/migration.md, Clipping: its
+norms in the optimizer's order), so an example draws which scaler the recipe uses, and that rule runs only when it
+is gradscaler's; a fused optimizer's state made on a skipped first step is kept by torch's scaler and dropped by
+ours (``recipe.assert_same_state``).
+
+Not driven (named, as the issue asks): a change of dtype between ``unscale_`` and ``step`` (ours keeps the float16
+gradients after the user's ``unscale_`` and the conversion rewrites them, which ``step`` refuses: documented);
+a change of dtype while a loaded checkpoint's masters wait for their parameters' first move (a layer
+cast to float32 then continues from its master as a float32 parameter, with a ``ContinuedWarning``: documented
+for peft's adapters); a change of dtype of a layer added by ``add_param_group`` before its first move (the
+recipe builds its copy when the group is added, ours at the next move: documented);
+loads of a checkpoint into bound objects whose layers
+have other dtypes than when it was saved (a saved master is used only where it rounds to the parameter:
+documented); an armed exception with fused AdamW (after some loads the recipe's optimizer did not raise at a skipped
+step where ours did: not settled whether the test's restore of the recipe or the scalers differ); ``zero_grad``
+with ``set_to_none=False`` between ``unscale_`` and ``step`` (it writes the float16 gradients ours keeps after
+the user's ``unscale_``, which ``step`` refuses: documented; even ``optimizer.zero_grad``, which zeroes the
+masters' too); saves and loads inside an iteration (they happen between iterations here, and a load clears the
+gradients on both sides as the loop's next ``zero_grad`` would); ``model.zero_grad`` with parameters outside the
+optimizer (every parameter of ``Net`` that has a gradient is the optimizer's); float32 gradient accumulation
+(issue 36: ``Plan`` and ``Side.backward``/``Reference.move`` are where its mode goes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+from gradscaler import GradScaler
+from gradscaler.masters import SAVED_KEY
+from gradscaler.masters.checkpoint import rounds_to
+from masters_net import LOW_LAYERS, Net, loss_of
+from recipe import Boom, Copies, MakeOptimizer, Ours, Recipe, System, untouched
+
+LAYERS = ("inp", "block", "norm", "head", "extra")
+SCALES: dict[str, dict[str, Any]] = {
+    "applied": {"init_scale": 2.0**14, "growth_interval": 2},
+    "skipping": {"init_scale": 2.0**40, "growth_interval": 2},  # about 25 skipped steps before the first applied
+}
+
+
+def nested_adamw(levels: int = 5) -> type[torch.optim.Optimizer]:
+    """AdamW behind ``levels`` subclasses that each override ``state_dict`` (wrappers stack so)."""
+    cls: type[torch.optim.Optimizer] = torch.optim.AdamW
+    for level in range(levels):
+
+        def state_dict(self: Any, _base: type = cls) -> dict[str, Any]:
+            return _base.state_dict(self)  # type: ignore[no-any-return]
+
+        cls = type(f"AdamWLevel{level}", (cls,), {"state_dict": state_dict})
+    return cls
+
+
+NestedAdamW = nested_adamw()
+OPTIMIZERS: dict[str, MakeOptimizer] = {
+    "adamw": lambda p: NestedAdamW(p, lr=1e-2, weight_decay=0.1, foreach=True),
+    "adamw_fused": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, fused=True),
+    "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, foreach=False),
+    "adagrad": lambda p: torch.optim.Adagrad(p, lr=0.05),
+}
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FORMS = ("list", "generator", "tensor")
+THEN = ("", "save", "save, resume")
+ORDERS = ("model-first", "optimizer-first", "bound-model-first", "bound-optimizer-first")
+
+
+@contextlib.contextmanager
+def swap_future(on: bool) -> Iterator[None]:
+    """torch's ``set_swap_module_params_on_conversion(on)`` for the block, restored after it."""
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(on)
+    try:
+        yield
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal dtype, shape and bits (NaN included)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    as_int = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.detach().reshape(-1).view(as_int), b.detach().reshape(-1).view(as_int))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One backward: which batch, whether ``block`` takes part (else it gets no gradient), and an inf or NaN
+    injected into one layer's weight gradient. Issue 36 adds its accumulation mode here."""
+
+    number: int
+    use_block: bool = True
+    inject: str = ""
+    layer: str = "block"
+
+
+@dataclass
+class Config:
+    """What a model is built as: each layer's dtype and ``requires_grad``, and the form ``extra`` joined in."""
+
+    dtypes: dict[str, torch.dtype]
+    trainable: dict[str, bool]
+    added: str = ""
+
+
+def build_net(config: Config, seed: int) -> Net:
+    net = Net(seed)
+    for name in LAYERS:
+        layer = getattr(net, name)
+        layer.to(config.dtypes[name])
+        layer.requires_grad_(config.trainable[name])
+    net.use_extra = bool(config.added)
+    return net
+
+
+def extra_groups(params: list[torch.Tensor], form: str) -> list[dict[str, Any]]:
+    """The groups ``add_param_group`` gets for ``extra``'s parameters in ``form``."""
+    if form == "tensor":
+        return [{"params": p, "lr": 5e-3} for p in params]
+    if form == "generator":
+        return [{"params": (p for p in params), "lr": 5e-3}]
+    return [{"params": list(params), "lr": 5e-3}]
+
+
+class Side:
+    """What both sides do the same way; ``OursSide`` and ``Reference`` differ only where the recipe does."""
+
+    system: System
+
+    def backward(self, plan: Plan) -> None:
+        model = self.system.model
+        self.system.backward(loss_of(model, plan.number, plan.use_block, plan.inject, plan.layer))  # type: ignore[arg-type]
+
+    def convert(self, layers: tuple[str, ...], dtype: torch.dtype, swap: bool) -> None:
+        with swap_future(swap):
+            for name in layers:
+                getattr(self.system.model, name).to(dtype)
+
+    def freeze(self, layer: str, trainable: bool) -> None:
+        getattr(self.system.model, layer).requires_grad_(trainable)
+
+    def unscale_(self) -> None:
+        self.system.unscale_()
+
+    def update(self) -> None:
+        self.system.update()
+
+    def arm(self) -> None:
+        self.system.armed = True
+
+    def step(self) -> tuple[bool, bool]:
+        """``scaler.step``; whether it skipped (from the scaler's record, as the recipe reads it), and whether
+        ``optimizer.step`` raised (an armed failure)."""
+        raised = False
+        try:
+            self.system.step()
+        except Boom:
+            raised = True
+        flags = self.system.scaler._found_inf_per_device(self.system.optimizer)
+        return bool(sum(float(flag) for flag in flags.values())), raised
+
+
+class OursSide(Side):
+    def __init__(self, make: MakeOptimizer, config: Config, scales: dict[str, Any], seed: int = 0) -> None:
+        model = build_net(config, seed)
+        scaler = GradScaler("cpu", master_weights=True, **scales)
+        self.system = Ours.__new__(Ours)
+        self.system.model, self.system.scaler = model, scaler
+        self.system.optimizer = make(model.base_params())
+        if config.added:
+            for group in extra_groups(list(model.extra.parameters()), config.added):
+                self.system.optimizer.add_param_group(group)
+        self.system.arm_step_failure()
+
+    def clip_scaler(self, max_norm: float) -> None:
+        self.system.scaler.clip_grad_norm_(self.system.optimizer, max_norm)
+
+    def clip_torch(self, max_norm: float) -> None:
+        torch.nn.utils.clip_grad_norm_(self.system.model.parameters(), max_norm)
+
+    def add(self, form: str, held: bool) -> None:
+        model = self.system.model
+        params = [model.inp.weight] if held else list(model.extra.parameters())
+        for group in extra_groups(params, form):
+            self.system.optimizer.add_param_group(group)
+        model.use_extra = True
+
+    def waiting(self) -> set[int]:
+        """The ids of the optimizer's tensors whose master a load left for the next move (documented: a saved
+        master is taken at the next move where the model was loaded after the optimizer, or the parameter had
+        no master yet; a parameter written since its master's last copy refreshes it there); from that move on
+        they are compared bit for bit. Reads the binding's pairs."""
+        optimizer = self.system.optimizer
+        found = {
+            id(group["params"][index])
+            for group in optimizer.param_groups
+            for index in (group.get(SAVED_KEY) or {}).get("masters", {})
+        }
+        binding = self.system.scaler._masters._bindings.get(optimizer)
+        if binding is not None:
+            found |= {id(pair.master) for pair in binding.pairs if pair.pending is not None or pair.written()}
+        return found
+
+    def masters(self) -> list[torch.Tensor | None]:
+        """Each parameter's master, or the parameter in float32 where it has none; None where a loaded
+        checkpoint's master waits for the next move (``waiting``)."""
+        pairs = self.system.scaler.master_weights(self.system.optimizer)
+        found = {id(low): master for low, master in pairs}
+        waiting = self.waiting()
+        return [
+            None if id(found.get(id(p), p)) in waiting else found.get(id(p), p).detach().float()
+            for p in self.system.model.parameters()
+        ]
+
+    def save(self) -> bytes:
+        buffer = io.BytesIO()
+        system = self.system
+        state = {"model": system.model.state_dict(), "optimizer": system.optimizer.state_dict()}
+        torch.save({**state, "scaler": system.scaler.state_dict()}, buffer)
+        return buffer.getvalue()
+
+    def load(self, blob: bytes, optimizer_first: bool) -> None:
+        saved = torch.load(io.BytesIO(blob), weights_only=True)
+        system = self.system
+        if optimizer_first:
+            system.optimizer.load_state_dict(saved["optimizer"])
+        system.model.load_state_dict(saved["model"])
+        if not optimizer_first:
+            system.optimizer.load_state_dict(saved["optimizer"])
+        system.scaler.load_state_dict(saved["scaler"])
+        system.zero_grad("optimizer", True)
+
+
+class Reference(Side):
+    """The recipe by hand (``recipe.Recipe``), with ``extra``'s copies made when it is added."""
+
+    def __init__(self, make: MakeOptimizer, config: Config, scales: dict[str, Any], scaler: str) -> None:
+        model = build_net(config, 0)
+        reference: Any = torch.amp.GradScaler("cpu", **scales) if scaler == "torch" else GradScaler("cpu", **scales)
+        self.system = Recipe.__new__(Recipe)
+        self.system.model, self.system.scaler, self.system.moved = model, reference, False
+        self.system.copies = Copies(model.base_params())
+        self.system.optimizer = make(self.system.copies.params())
+        self.system.arm_step_failure()
+
+    @property
+    def recipe(self) -> Recipe:
+        assert isinstance(self.system, Recipe)
+        return self.system
+
+    def move(self) -> None:
+        """The recipe's move: ``copy.grad = p.grad.float()`` or None, then ``p.grad = None`` (issue 36: accumulate)."""
+        self.recipe.move()
+
+    def clip_scaler(self, max_norm: float) -> None:
+        self.move()
+        self.recipe.scaler.clip_grad_norm_(self.recipe.optimizer, max_norm)
+
+    def clip_torch(self, max_norm: float) -> None:
+        copy_of = {id(p): c for p, c in self.recipe.copies.pairs}
+        torch.nn.utils.clip_grad_norm_([copy_of.get(id(p), p) for p in self.recipe.model.parameters()], max_norm)
+
+    def add(self, form: str, held: bool) -> None:
+        model = self.recipe.model
+        if held:
+            params = [dict((id(p), c) for p, c in self.recipe.copies.pairs)[id(model.inp.weight)]]
+        else:
+            copies = Copies(model.extra.parameters())
+            params = copies.params()
+        for group in extra_groups(params, form):
+            self.recipe.optimizer.add_param_group(group)
+        if not held:
+            self.recipe.copies.all += copies.all
+            self.recipe.copies.pairs += copies.pairs
+        model.use_extra = True
+
+    def masters(self) -> list[torch.Tensor]:
+        found = {id(p): c for p, c in self.recipe.copies.pairs}
+        return [found.get(id(p), p).detach().float() for p in self.recipe.model.parameters()]
+
+    def snapshot(self) -> tuple[Any, ...]:
+        """The recipe's whole state, for a load to restore (its checkpoint, with the copies' values)."""
+        r = self.recipe
+        return copy.deepcopy((r.model, r.copies, r.optimizer, r.scaler))
+
+    def restore(self, snapshot: tuple[Any, ...], into_bound: bool) -> None:
+        """A load: the uninterrupted run from the save on. ``into_bound``: the values and state go into the
+        objects the recipe has (their layers' dtypes as when saved), else the snapshot's objects replace them."""
+        model, copies, optimizer, scaler = copy.deepcopy(snapshot)
+        r = self.recipe
+        if into_bound:
+            r.model.load_state_dict(model.state_dict())
+            with torch.no_grad():
+                for (_, mine), (_, saved) in zip(r.copies.pairs, copies.pairs, strict=True):
+                    mine.copy_(saved)
+            r.optimizer.load_state_dict(optimizer.state_dict())
+            r.scaler.load_state_dict(scaler.state_dict())
+        else:
+            r.model, r.copies, r.optimizer, r.scaler = model, copies, optimizer, scaler
+            r.arm_step_failure()
+        r.moved = False
+        r.zero_grad("optimizer", True)
+
+
+def outcome(call: Callable[[], Any]) -> tuple[Any, str | None]:
+    """``call()``'s result, or what it raised (type and message)."""
+    try:
+        return call(), None
+    except Exception as error:
+        return None, f"{type(error).__name__}: {error}"
+
+
+class MastersMachine(RuleBasedStateMachine):
+    ours: OursSide
+    reference: Reference
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.phase = "idle"  # idle -> backward -> moved (unscale_/clip) -> stepped -> idle (update)
+        self.grads = False  # some gradient exists (else torch's scaler asserts "No inf checks were recorded")
+        self.saved: tuple[bytes, tuple[Any, ...], Config] | None = None
+
+    # set-up ----------------------------------------------------------------------------------------------------
+
+    @initialize(
+        optimizer=st.sampled_from(sorted(OPTIMIZERS)),
+        scales=st.sampled_from(sorted(SCALES)),
+        scaler=st.sampled_from(["torch", "gradscaler"]),
+    )
+    def start(self, optimizer: str, scales: str, scaler: str) -> None:
+        self.make, self.scales, self.scaler_kind = OPTIMIZERS[optimizer], SCALES[scales], scaler
+        self.config = Config(
+            {name: torch.float32 if name == "norm" else torch.float16 for name in LAYERS}, dict.fromkeys(LAYERS, True)
+        )
+        self.ours = OursSide(self.make, self.config, self.scales)
+        self.reference = Reference(self.make, self.config, self.scales, scaler)
+        self.number = 0
+        self.backward(use_block=True, inject="", layer="block")  # a first iteration binds ours
+        self.step()
+        self.update()
+
+    def both(self, name: str, *args: Any) -> Any:
+        """``name(*args)`` on each side: the same result, or the same error."""
+        mine, error = outcome(lambda: getattr(self.ours, name)(*args))
+        theirs, their_error = outcome(lambda: getattr(self.reference, name)(*args))
+        assert error == their_error, f"{name}{args}: ours {error!r}, the recipe {their_error!r}"
+        assert mine == theirs, f"{name}{args}: ours {mine!r}, the recipe {theirs!r}"
+        return error
+
+    # the iteration ---------------------------------------------------------------------------------------------
+
+    @precondition(lambda self: self.phase != "moved")  # torch's scaler then steps the new gradients scaled
+    @rule(
+        use_block=st.booleans(),
+        inject=st.sampled_from(["", "", "", "inf", "nan"]),
+        layer=st.sampled_from(LOW_LAYERS[:3]),
+    )
+    def backward(self, use_block: bool, inject: str, layer: str) -> None:
+        self.number += 1
+        plan = Plan(self.number, use_block, inject, layer)
+        if self.both("backward", plan) is None:
+            self.grads = True
+            self.phase = "backward" if self.phase == "idle" else self.phase
+
+    @precondition(lambda self: self.grads)
+    @rule(clip=st.sampled_from([None, None, 1e-3, 0.5]))
+    def unscale_(self, clip: float | None) -> None:
+        """``scaler.unscale_``, then with ``clip`` torch's recipe: ``torch.nn.utils.clip_grad_norm_`` over
+        ``model.parameters()`` (the recipe: over its copies in the model's order)."""
+        if self.both("unscale_") is None:
+            self.phase = "moved"
+            if clip is not None:
+                self.both("clip_torch", clip)
+
+    @precondition(lambda self: self.grads and self.scaler_kind == "gradscaler")
+    @rule(max_norm=st.sampled_from([1e-3, 0.5]))
+    def clip_scaler(self, max_norm: float) -> None:
+        if self.both("clip_scaler", max_norm) is None:
+            self.phase = "moved"
+
+    @precondition(lambda self: self.grads or self.phase == "moved")
+    @rule()
+    def step(self) -> None:
+        raised = self.ours.system.raised
+        if self.both("step") is None:
+            self.phase = "moved" if self.ours.system.raised > raised else "stepped"  # a retry steps unscaled
+
+    @precondition(lambda self: self.phase == "idle")
+    @rule(
+        clip=st.sampled_from(["", "torch", "scaler"]),
+        inject=st.sampled_from(["", "", "inf"]),
+        use_block=st.booleans(),
+    )
+    def iteration(self, clip: str, inject: str, use_block: bool) -> None:
+        """A whole training iteration, as a loop writes it: ``optimizer.zero_grad()``, backward, the clipping
+        (torch's recipe after ``unscale_``, or ``scaler.clip_grad_norm_``), ``step``, ``update``."""
+        self.zero_grad("optimizer", True)
+        self.backward(use_block=use_block, inject=inject, layer="head")
+        if clip == "torch":
+            self.unscale_(clip=0.5)
+        elif clip == "scaler" and self.scaler_kind == "gradscaler":
+            self.clip_scaler(max_norm=0.5)
+        self.step()
+        self.update()
+
+    @rule()
+    def update(self) -> None:
+        if self.phase == "idle" and not self.grads:
+            return  # torch's update asserts "No inf checks were recorded prior to update."
+        error = self.both("update")
+        if error is None:
+            self.phase = "idle"
+
+    @rule(where=st.sampled_from(["optimizer", "model"]), set_to_none=st.booleans())
+    def zero_grad(self, where: str, set_to_none: bool) -> None:
+        if self.phase == "moved" and not set_to_none:
+            return  # zeroing the float16 gradients kept after unscale_ is a write that step refuses (documented)
+        for side in (self.ours, self.reference):
+            side.system.zero_grad(where, set_to_none)
+        if set_to_none:
+            self.grads = False
+
+    # the model -------------------------------------------------------------------------------------------------
+
+    @rule(layer=st.sampled_from(["inp", "block", "head"]), trainable=st.booleans())
+    def freeze(self, layer: str, trainable: bool) -> None:
+        self.both("freeze", layer, trainable)
+        self.config.trainable[layer] = trainable
+
+    @precondition(lambda self: self.phase != "moved" and not self.extra_waiting() and not self.loaded_waiting())
+    @rule(
+        layers=st.sampled_from([("block",), ("head",), LOW_LAYERS]), dtype=st.sampled_from(DTYPES), swap=st.booleans()
+    )
+    def convert(self, layers: tuple[str, ...], dtype: torch.dtype, swap: bool) -> None:
+        self.both("convert", layers, dtype, swap)
+        for name in layers:
+            self.config.dtypes[name] = dtype
+
+    def loaded_waiting(self) -> bool:
+        """Whether a loaded checkpoint's masters wait in ours' groups for parameters without one yet: a layer
+        cast to float32 now continues as a float32 parameter from its saved master (documented, with a
+        ``ContinuedWarning``; the recipe keeps a copy), so such casts are not driven."""
+        return any(SAVED_KEY in group for group in self.ours.system.optimizer.param_groups)
+
+    def extra_waiting(self) -> bool:
+        """Whether ``extra`` was added and ours has not bound it yet (its master is made at the next move)."""
+        if not self.config.added:
+            return False
+        lows = {id(low) for low, _ in self.ours.system.scaler.master_weights(self.ours.system.optimizer)}
+        return any(id(p) not in lows for p in self.ours.system.model.extra.parameters())
+
+    @rule(form=st.sampled_from(FORMS), held=st.booleans())
+    def add_param_group(self, form: str, held: bool) -> None:
+        if not held and self.config.added:
+            return  # added once
+        if self.both("add", form, held) is None and not held:
+            self.config.added = form
+
+    @precondition(lambda self: self.make is not OPTIMIZERS["adamw_fused"])
+    @rule()
+    def arm_step_failure(self) -> None:
+        self.both("arm")
+
+    # checkpoints -----------------------------------------------------------------------------------------------
+
+    @precondition(lambda self: self.phase == "idle")
+    @rule()
+    def save(self) -> None:
+        self.saved = (self.ours.save(), self.reference.snapshot(), copy.deepcopy(self.config))
+
+    @precondition(lambda self: self.phase == "idle" and self.saved is not None)
+    @rule(
+        order=st.sampled_from(ORDERS),
+        then=st.sampled_from(THEN),
+    )
+    def load_fresh(self, order: str, then: str) -> None:
+        self.resume(order)
+        self.then(then)
+
+    def then(self, then: str) -> None:
+        """After a load: nothing, a save right away (a pre-emption handler's, a save-on-start), or that save
+        and a new process resuming from it."""
+        if then:
+            self.save()
+        if then == "save, resume":
+            self.resume("model-first")
+
+    def resume(self, order: str) -> None:
+        """A new process: fresh objects built as the checkpoint's were, then the loads in ``order``."""
+        assert self.saved is not None
+        blob, snapshot, config = self.saved
+        armed = self.ours.system.armed
+        fresh = OursSide(self.make, config, self.scales, seed=7)
+        fresh.system.armed = armed
+        if order.startswith("bound"):  # an iteration that binds the fresh optimizer and steps nothing
+            fresh.backward(Plan(0))
+            fresh.system.unscale_()
+            fresh.system.update()
+        fresh.load(blob, optimizer_first=order.endswith("optimizer-first"))
+        self.ours = fresh
+        self.reference.restore(snapshot, into_bound=False)
+        self.config, self.grads = copy.deepcopy(config), False
+
+    @precondition(lambda self: self.phase == "idle")
+    @rule(order=st.sampled_from(ORDERS), then=st.sampled_from(THEN))
+    def save_and_resume(self, order: str, then: str) -> None:
+        """A checkpoint now and a new process resuming from it (a pre-emption), in ``order``."""
+        self.save()
+        self.load_fresh(order=order, then=then)
+
+    @precondition(
+        lambda self: (
+            self.phase == "idle"
+            and self.saved is not None
+            and self.saved[2].dtypes == self.config.dtypes
+            and self.saved[2].added == self.config.added
+        )
+    )
+    @rule(optimizer_first=st.booleans(), then=st.sampled_from(THEN))
+    def load_bound(self, optimizer_first: bool, then: str) -> None:
+        assert self.saved is not None
+        blob, snapshot, _ = self.saved
+        self.ours.load(blob, optimizer_first)
+        self.reference.restore(snapshot, into_bound=True)
+        self.grads = False
+        self.then(then)
+
+    @rule(helper=st.sampled_from(["get", "set"]))
+    def distributed_checkpoint(self, helper: str) -> None:
+        system = self.ours.system
+        before = fingerprint(system)
+        if helper == "get":
+            call: Callable[[], Any] = lambda: get_optimizer_state_dict(system.model, system.optimizer)  # noqa: E731
+        else:
+            call = lambda: set_optimizer_state_dict(system.model, system.optimizer, system.optimizer.state_dict())  # noqa: E731
+        _, error = outcome(call)
+        assert error is not None and error.startswith("ValueError: torch.distributed.checkpoint.state_dict cannot"), (
+            error
+        )
+        assert_fingerprint(before, fingerprint(system))
+
+    # the invariant ---------------------------------------------------------------------------------------------
+
+    @invariant()
+    def same_as_the_recipe(self) -> None:
+        if not hasattr(self, "ours"):
+            return
+        a, b = self.ours.system, self.reference.system
+        for index, (x, y) in enumerate(zip(a.model.parameters(), b.model.parameters(), strict=True)):
+            assert same_bits(x, y), f"parameter {index}: {x.dtype} {y.dtype}, {describe(x, y)}"
+            assert x.requires_grad == y.requires_grad, f"parameter {index}: requires_grad"
+        for index, (x, y) in enumerate(zip(self.ours.masters(), self.reference.masters(), strict=True)):
+            assert x is None or same_bits(x, y), f"master {index}: {describe(x, y)}"
+        assert len(a.optimizer.param_groups) == len(b.optimizer.param_groups), "param groups"
+        for index, (g, h) in enumerate(zip(a.optimizer.param_groups, b.optimizer.param_groups, strict=True)):
+            assert len(g["params"]) == len(h["params"]), f"group {index}"
+            assert {k: v for k, v in g.items() if k not in ("params", SAVED_KEY)} == {
+                k: v for k, v in h.items() if k != "params"
+            }, f"group {index}"
+        assert_same_state_by_position(a.optimizer, b.optimizer, self.ours.waiting())
+        mine, theirs = a.scaler.state_dict(), b.scaler.state_dict()
+        assert mine["scale"] == theirs["scale"] and mine["_growth_tracker"] == theirs["_growth_tracker"], "scale"
+
+
+def assert_same_state_by_position(
+    ours: torch.optim.Optimizer, reference: torch.optim.Optimizer, waiting: set[int]
+) -> None:
+    """``recipe.assert_same_state`` where ours steps a float32 master or parameter; where it still holds a
+    float16/bfloat16 parameter or one whose saved master waits (``OursSide.waiting``: a fresh load before its
+    first move, which restores the master and its float32 state), its state is torch's cast of the recipe's:
+    a rounding of it (``checkpoint.rounds_to``)."""
+    wide_ours: dict[int, Any] = {}
+    wide_reference: dict[int, Any] = {}
+    mine = [p for g in ours.param_groups for p in g["params"]]
+    theirs = [p for g in reference.param_groups for p in g["params"]]
+    assert len(mine) == len(theirs), "parameters"
+    for index, (p, q) in enumerate(zip(mine, theirs, strict=True)):
+        if (p.dtype in (torch.float16, torch.bfloat16) or id(p) in waiting) and q.dtype == torch.float32:
+            a, b = ours.state.get(p, {}), reference.state.get(q, {})
+            for key, value in a.items():
+                if isinstance(value, torch.Tensor) and key != "step" and key in b:
+                    given = b[key].float()
+                    assert bool(rounds_to(given, value).all()), (index, key, "rounded")
+            continue
+        wide_ours[index] = ours.state.get(p, {})
+        wide_reference[index] = reference.state.get(q, {})
+    for index in wide_ours:
+        x = {k: v for k, v in wide_ours[index].items() if isinstance(v, torch.Tensor)}
+        y = {k: v for k, v in wide_reference[index].items() if isinstance(v, torch.Tensor)}
+        if not x or not y:
+            assert untouched(x) and untouched(y), index
+            continue
+        assert x.keys() == y.keys(), index
+        for key in x:
+            assert same_bits(x[key], y[key]), (index, key)
+
+
+def describe(x: torch.Tensor, y: torch.Tensor) -> str:
+    if x.shape != y.shape or x.dtype != y.dtype:
+        return "shape or dtype"
+    return f"{int((x != y).sum())} of {x.numel()} differ, by up to {float((x.float() - y.float()).abs().max()):.3g}"
+
+
+def fingerprint(system: System) -> list[Any]:
+    """What a refused call must leave as it was: parameters and gradients (model and masters), the groups'
+    hyper-parameters, the optimizer's state."""
+    found: list[Any] = []
+    for param in system.model.parameters():
+        found += [param.detach().clone(), None if param.grad is None else param.grad.clone()]
+    for group in system.optimizer.param_groups:
+        found.append({k: v for k, v in group.items() if k not in ("params", SAVED_KEY)})
+        for param in group["params"]:
+            found += [param.detach().clone(), None if param.grad is None else param.grad.clone()]
+            found.append({k: v.clone() for k, v in system.optimizer.state.get(param, {}).items()})
+    return found
+
+
+def assert_fingerprint(before: list[Any], after: list[Any]) -> None:
+    assert len(before) == len(after), "refused, yet changed"
+    for index, (a, b) in enumerate(zip(before, after, strict=True)):
+        if isinstance(a, torch.Tensor):
+            assert isinstance(b, torch.Tensor) and same_bits(a, b), f"refused, yet changed: {index}"
+        elif isinstance(a, dict):
+            assert a.keys() == b.keys(), f"refused, yet changed: {index}"
+            for key, x in a.items():
+                y = b[key]
+                assert same_bits(x, y) if isinstance(x, torch.Tensor) else x == y, f"refused, yet changed: {index}"
+        else:
+            assert b is None, f"refused, yet changed: {index}"

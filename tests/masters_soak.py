@@ -1,0 +1,46 @@
+"""The master weights' state machine run longer than CI runs it: ``python tests/masters_soak.py --examples 500``.
+
+Runs ``masters_machine.MastersMachine`` (every rule against the recipe by hand, bit for bit) for ``--examples``
+sequences of up to ``--steps`` rules each, drawn from ``--seed``;
+CI runs a fixed budget (tests/test_masters_machine.py).
+On a broken invariant Hypothesis shrinks the sequence and prints it as calls (``state.rule(...)``), and the script
+exits non-zero; otherwise it prints how many sequences held and how long they took.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from hypothesis import HealthCheck, seed, settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from masters_machine import MastersMachine
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--examples", type=int, default=200, help="sequences to run (default 200)")
+    parser.add_argument("--steps", type=int, default=60, help="rules per sequence at most (default 60)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the draws (default 0)")
+    args = parser.parse_args()
+    budget = settings(
+        max_examples=args.examples,
+        stateful_step_count=args.steps,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    )
+    started = time.perf_counter()
+    run_state_machine_as_test(seed(args.seed)(MastersMachine), settings=budget)
+    seconds = time.perf_counter() - started
+    print(f"{args.examples} sequences of up to {args.steps} rules (seed {args.seed}): held ({seconds:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
