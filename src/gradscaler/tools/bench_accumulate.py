@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -30,6 +29,7 @@ from torch import nn
 
 from gradscaler import GradScaler
 from gradscaler.tools.harness import spread
+from gradscaler.tools.memory import storage_bytes
 from gradscaler.tools.toy_model import TinyGPT
 
 DTYPES = {"float16": (torch.float16, 1024.0), "bfloat16": (torch.bfloat16, 1.0)}
@@ -137,28 +137,13 @@ def training_section(device: torch.device, steps: int = 12, micro: int = 64) -> 
     }
 
 
-def _bytes(tensors: Sequence[torch.Tensor | None], seen: set[tuple[str, int]]) -> int:
-    total = 0
-    for tensor in tensors:
-        if tensor is None:
-            continue
-        storage = tensor.untyped_storage()
-        key = (str(tensor.device), storage.data_ptr())
-        if key not in seen:
-            seen.add(key)
-            total += storage.nbytes()
-    return total
-
-
 def _held(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: GradScaler) -> float:
     """Bytes per model parameter now: parameters, every gradient, masters, optimizer state."""
-    seen: set[tuple[str, int]] = set()
     params = list(model.parameters())
     masters = [m for _, m in scaler.master_weights(optimizer)]
     state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    total = _bytes(list(params), seen) + _bytes([p.grad for p in params] + [m.grad for m in masters], seen)
-    total += _bytes(list(masters), seen) + _bytes(state, seen)
-    return total / sum(p.numel() for p in params)
+    grads = [p.grad for p in params] + [m.grad for m in masters]
+    return storage_bytes([*params, *grads, *masters, *state]) / sum(p.numel() for p in params)
 
 
 def memory_section(device: torch.device, micro: int = 4, width: int = 256, layers: int = 4) -> list[dict[str, Any]]:
