@@ -350,7 +350,7 @@ def test_after_unscale_the_model_gradients_show_unscaled_values_until_step() -> 
     assert model.fc1.weight.grad is None and model.norm.weight.grad is not None
 
 
-@pytest.mark.parametrize("how", ["clip_grad_value_", "bound_before", "clip_grad_module"])
+@pytest.mark.parametrize("how", ["clip_grad_value_module", "bound_before", "clip_grad_module"])
 def test_other_writes_to_model_gradients_after_unscale_are_refused_with_the_fix(how: str) -> None:
     """What would be silently lost is refused: a write the optimizer's step would not see."""
     model, opt, _ = fresh("adamw_foreach")
@@ -358,8 +358,8 @@ def test_other_writes_to_model_gradients_after_unscale_are_refused_with_the_fix(
     one_backward(model, scaler)
     before = snapshot(model)
     scaler.unscale_(opt)
-    if how == "clip_grad_value_":
-        torch.nn.utils.clip_grad_value_(model.parameters(), 1e-4)
+    if how == "clip_grad_value_module":  # torch.nn.utils.clip_grad_value_ is routed; this spelling is not
+        torch.nn.utils.clip_grad.clip_grad_value_(model.parameters(), 1e-4)
     elif how == "bound_before":  # torch's own function, bound before the scaler routed it
         torch_clip_grad_norm_(model.parameters(), 1e-4)
     else:
@@ -380,6 +380,7 @@ def test_patch_torch_master_weights_clips_model_parameters_through_the_masters()
         trace = train(model, opt, scaler, batches(), {"scales": [], "params": [], "skipped": []}, 0.5, "model")
     assert isinstance(scaler, GradScaler)
     assert torch.nn.utils.clip_grad_norm_ is gradscaler.masters.torch_clip_grad_norm_
+    assert torch.nn.utils.clip_grad_value_ is gradscaler.masters.torch_clip_grad_value_
     assert_same_run(trace, by_hand("adamw_foreach", clip=0.5))
 
 

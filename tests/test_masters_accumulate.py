@@ -146,6 +146,36 @@ def test_every_zero_grad_equals_the_recipe(zero: str, set_to_none: bool) -> None
     assert_same(ours, reference, range(7), 8, zero=zero, set_to_none=set_to_none, clip=1.0)
 
 
+class OursClipsValue(Ours):
+    """``unscale_``, then ``torch.nn.utils.clip_grad_value_(model.parameters(), value)``."""
+
+    def clip(self, max_norm: float) -> None:
+        self.scaler.unscale_(self.optimizer)
+        torch.nn.utils.clip_grad_value_(self.model.parameters(), max_norm)
+
+
+def clipping_value(recipe: type[Recipe]) -> type[Recipe]:
+    """``recipe`` clamping its copies' gradients with torch's ``clip_grad_value_`` after ``unscale_``."""
+
+    class ClipsValue(recipe):  # type: ignore[valid-type,misc]
+        def clip(self, max_norm: float) -> None:
+            self.unscale_()
+            torch.nn.utils.clip_grad_value_(self.trained(), max_norm)
+
+    return ClipsValue
+
+
+@pytest.mark.parametrize("accumulate", [True, False], ids=["float32-sums", "masters-only"])
+def test_torchs_clip_grad_value_over_model_parameters_clamps_the_masters_gradients(accumulate: bool) -> None:
+    """Routed as ``clip_grad_norm_`` is: with float32 sums the parameters hold no gradient for torch's call
+    to clamp (it clamped nothing before), without them it clamped float16 copies the step refused."""
+    make = OPTIMIZERS["adamw_foreach"]
+    scaler = fp32_scaler() if accumulate else GradScaler("cpu", master_weights=True, **SCALER_ARGS)
+    ours = OursClipsValue(Net(), make, scaler)
+    reference = clipping_value(Fp32Recipe if accumulate else Recipe)(Net(), make)
+    assert_same(ours, reference, range(7), 4, clip=2e-3)  # most gradients are larger: clamped
+
+
 def test_bfloat16_parameters_equal_the_recipe() -> None:
     ours, reference = pair("adamw_foreach", "scaler", torch.bfloat16)
     assert_same(ours, reference, range(6), 8, clip=1.0)
@@ -210,6 +240,30 @@ def switch_dtype(system: System, step: int) -> None:
 def test_a_dtype_switch_between_steps_equals_the_recipe() -> None:
     ours, reference = pair("adamw_foreach", "scaler")
     assert_same(ours, reference, range(7), 8, clip=1.0, between=switch_dtype)
+
+
+def round_trip(system: System, step: int) -> None:
+    """After step 2 every float16 layer to float32 (the masters stay, the sums go on in float32), after
+    step 4 back to float16."""
+    if step in (2, 4):
+        model = system.model
+        for module in (model.inp, model.experts, model.rare, model.frozen, model.head):
+            module.to(torch.float32 if step == 2 else torch.float16)
+
+
+@pytest.mark.parametrize("swap", [False, True], ids=["assign", "swap"])
+def test_a_dtype_round_trip_with_the_swap_future_on_or_off_equals_the_recipe(swap: bool) -> None:
+    """torch's swap-tensors future replaces each parameter's tensor (which refuses a weakly referenced
+    parameter and leaves its hooks behind): the scaler holds no weak reference to a parameter and hooks
+    the swapped ones again at the next ``scale()``."""
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(swap)
+    try:
+        ours, reference = pair("adamw_foreach")
+        assert_same(ours, reference, range(7), 4, clip=1.0, between=round_trip)
+        assert all(p.grad is None for p in ours.model.parameters() if p.dtype == torch.float16)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
 
 
 def save(system: System) -> bytes:

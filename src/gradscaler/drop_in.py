@@ -200,11 +200,11 @@ def patch_torch(*, master_weights: bool = False, accumulate_grads_in_fp32: bool 
     returns a handle whose exit changes nothing. Affects scalers built after the call only.
 
     ``master_weights=True``: the scalers built default to ``master_weights=True`` (float16 models train
-    through float32 masters), and ``torch.nn.utils.clip_grad_norm_`` clips the masters' gradients in
-    place of the float16 parameters' (``gradscaler.masters.clip_grad_norm_``; a scaler with masters
-    routes it so at its first step too). ``accumulate_grads_in_fp32=True`` (with ``master_weights=True``):
-    they also default to ``accumulate_grads_in_fp32=True`` (gradients summed in float32 across
-    micro-batches; ``GradScaler``).
+    through float32 masters), and ``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_`` clip the
+    masters' gradients in place of the float16 parameters' (``gradscaler.masters.clip_grad_norm_``,
+    ``clip_grad_value_``; a scaler with masters routes them so at its first step too).
+    ``accumulate_grads_in_fp32=True`` (with ``master_weights=True``): they also default to
+    ``accumulate_grads_in_fp32=True`` (gradients summed in float32 across micro-batches; ``GradScaler``).
     """
     global _originals, _accumulating
     if accumulate_grads_in_fp32 and not master_weights:
@@ -227,12 +227,15 @@ def patch_torch(*, master_weights: bool = False, accumulate_grads_in_fp32: bool 
         if master_weights:
             variants = {cls: _MASTER_VARIANTS[(cls, accumulate_grads_in_fp32)] for _, _, _, cls in targets}
             targets = [(m, name, attr, variants[cls]) for m, name, attr, cls in targets]
-            targets.append((torch.nn.utils, "torch.nn.utils", "clip_grad_norm_", masters.clip_grad_norm_))
+            targets += [
+                (torch.nn.utils, "torch.nn.utils", name, ours) for name, (_, ours) in masters.ROUTED_CLIPPING.items()
+            ]
+        torchs = {ours: torch_function for torch_function, ours in masters.ROUTED_CLIPPING.values()}
         for module, module_name, attr, replacement in targets:
             original = getattr(module, attr)
-            originals[(module_name, attr)] = masters.torch_clip_grad_norm_ if original is replacement else original
+            originals[(module_name, attr)] = torchs[replacement] if original is replacement else original
             setattr(module, attr, replacement)
-            if isinstance(originals[(module_name, attr)], type):  # a scaler class, not clip_grad_norm_
+            if isinstance(originals[(module_name, attr)], type):  # a scaler class, not a clipping
                 copyreg.pickle(originals[(module_name, attr)], _reduce_torch_scaler)
             _installed[(module_name, attr)] = replacement
         _originals = originals

@@ -20,7 +20,8 @@ The package, lowest first; a file imports only files above it in this list (test
 - ``lifecycle``: ``MasterWeights``, which the scaler owns and calls at the iteration's fixed points
   (bind, move, copy back), and ``NoMasters`` for a scaler without masters.
 
-Public here: ``clip_grad_norm_`` (torch's function, routed to the masters' gradients) and
+Public here: ``clip_grad_norm_`` and ``clip_grad_value_`` (torch's functions, routed to the masters'
+gradients) and
 ``ContinuedWarning``; the scaler and ``drop_in`` use the other names below (``build``: the service a
 scaler's ``master_weights`` and ``accumulate_grads_in_fp32`` ask for).
 """
@@ -28,9 +29,17 @@ scaler's ``master_weights`` and ``accumulate_grads_in_fp32`` ask for).
 from gradscaler.masters.accumulate import WITHOUT_MASTERS_MESSAGE
 from gradscaler.masters.checkpoint import SAVED_KEY, ContinuedWarning
 from gradscaler.masters.lifecycle import MasterWeights, Moved, NoMasters
-from gradscaler.masters.wrappers import clip_grad_norm_, torch_clip_grad_norm_, unwrap
+from gradscaler.masters.wrappers import (
+    ROUTED_CLIPPING,
+    clip_grad_norm_,
+    clip_grad_value_,
+    torch_clip_grad_norm_,
+    torch_clip_grad_value_,
+    unwrap,
+)
 
 __all__ = [
+    "ROUTED_CLIPPING",
     "SAVED_KEY",
     "WITHOUT_MASTERS_MESSAGE",
     "ContinuedWarning",
@@ -39,7 +48,9 @@ __all__ = [
     "NoMasters",
     "build",
     "clip_grad_norm_",
+    "clip_grad_value_",
     "torch_clip_grad_norm_",
+    "torch_clip_grad_value_",
     "unwrap",
 ]
 

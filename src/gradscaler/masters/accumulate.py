@@ -28,10 +28,10 @@ reduce-scatters each backward's gradient itself: its ``reduce_dtype`` is the set
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from gradscaler import compiled
 from gradscaler.masters.checks import LOW_PRECISION
@@ -101,13 +101,16 @@ class Sum:
     wrote a backward's gradient into the parameter's ``.grad``.
 
     ``fresh``: the next gradient starts the sum (the iteration's first); ``total``: the sum while no
-    master is bound (after that it lives in the master's ``.grad``). Holds the parameter, the master and
-    its owner weakly: a hook whose scaler is gone leaves ``.grad`` as autograd wrote it."""
+    master is bound (after that it lives in the master's ``.grad``); ``impl``: the parameter's
+    ``_cdata`` when hooked (torch's ``swap_tensors`` gives the parameter a new one, without the hook).
+    The parameter holds it (its hooks); it holds no reference to the parameter (torch's swap refuses a
+    weakly referenced tensor), and its master and owner weakly: a hook whose scaler is gone leaves
+    ``.grad`` as autograd wrote it."""
 
-    __slots__ = ("__weakref__", "fresh", "handle", "master", "owner", "param", "total")
+    __slots__ = ("__weakref__", "fresh", "handle", "impl", "master", "owner", "total")
 
     def __init__(self, param: torch.Tensor, owner: Accumulation) -> None:
-        self.param = weakref.ref(param)
+        self.impl = param._cdata
         self.owner = weakref.ref(owner)
         self.master: weakref.ref[torch.Tensor] | None = None
         self.total: torch.Tensor | None = None
@@ -117,8 +120,8 @@ class Sum:
     @compiled.eager  # autograd calls it inside a compiled step's backward: one frame per parameter otherwise
     def __call__(self, param: torch.Tensor) -> None:
         grad = param.grad
-        if grad is None or self.param() is not param or self.owner() is None:
-            return  # a deep copy of the parameter (it shares the hook), or a scaler that is gone
+        if grad is None or param._cdata != self.impl or self.owner() is None:
+            return  # a copy of the parameter that shares the hook, or a scaler that is gone
         if grad.layout is not torch.strided:
             raise ValueError(SPARSE_MESSAGE.format(shape=tuple(param.shape), dtype=param.dtype, layout=grad.layout))
         if grad.requires_grad:
@@ -156,6 +159,14 @@ class Sum:
             master.grad, self.total = self.total, None
         self.fresh = True
         return master.grad is not None
+
+    def rehook(self, param: torch.Tensor) -> None:
+        """Hook ``param`` again after torch's ``swap_tensors`` (``model.float()`` with the swap-tensors
+        future): its new tensor has no post-accumulate-grad hook; the Python dictionary it still shows
+        is dead (each hook in it, the user's too, ran on the old tensor), so a new one replaces it."""
+        param._post_accumulate_grad_hooks = None  # type: ignore[assignment]
+        self.handle = param.register_post_accumulate_grad_hook(self)
+        self.impl = param._cdata
 
     def release(self, param: torch.Tensor) -> None:
         """Remove the hook; the parameter's gradient, if any, goes back into its ``.grad`` in its dtype."""
@@ -201,28 +212,53 @@ class Accumulation:
     """The float32 sums of one scaler's low-precision parameters (``Sum`` per parameter)."""
 
     def __init__(self) -> None:
-        self._sums = WeakIdKeyDictionary()  # parameter -> its Sum
+        # id of a hooked parameter -> its Sum, which the parameter's hooks keep alive: no reference to a
+        # parameter here (torch's swap_tensors refuses a weakly referenced one)
+        self._sums: weakref.WeakValueDictionary[int, Sum] = weakref.WeakValueDictionary()
+        self._watched: list[torch.Tensor] = []  # hooked from the scaled graphs, while ``watching``
         self.watching = True  # hooks from the scaled graphs, until the first update() after a binding
         self.ddp = DataParallel()  # the parameters of registered DDP modules: their sums averaged at the move
 
-    def watch(self, output: Any) -> Any:
-        """At ``scale()``: hook the low-precision parameters of ``output``'s graph (first iteration only)."""
+    def watch(self, output: Any, bound: Callable[[], list[torch.Tensor]]) -> Any:
+        """At ``scale()``: hook the low-precision parameters of ``output``'s graph (first iteration only);
+        with torch's swap-tensors future on, hook again each of the ``bound()`` parameters a conversion
+        swapped since (``Sum.rehook``), before this backward reaches them."""
         if self.watching and isinstance(output, torch.Tensor) and output.grad_fn is not None:
             for param in graph_leaves(output):
                 self.hook(param)
+        if torch.__future__.get_swap_module_params_on_conversion():
+            self.revive([*self._watched, *bound()])
         return output
+
+    def sum_of(self, param: torch.Tensor) -> Sum | None:
+        """``param``'s ``Sum``, if it has one."""
+        found = self._sums.get(id(param))
+        return found if found is not None and found.handle is not None else None
 
     def hook(self, param: torch.Tensor) -> Sum:
         """``param``'s ``Sum``, hooked on first sight; a gradient it holds already (accumulated by autograd
         before the scaler met it) becomes the start of the sum."""
-        found = self._sums.get(param)
-        if found is None or found.handle is None:
-            found = Sum(param, self)
-            found.handle = param.register_post_accumulate_grad_hook(found)
-            self._sums[param] = found
-            if param.grad is not None and param.grad.layout is torch.strided and not param.grad.requires_grad:
-                found(param)
+        found = self.sum_of(param)
+        if found is not None:
+            if found.impl != param._cdata:
+                found.rehook(param)
+            return found
+        found = Sum(param, self)
+        found.handle = param.register_post_accumulate_grad_hook(found)
+        self._sums[id(param)] = found
+        if self.watching:
+            self._watched.append(param)
+        if param.grad is not None and param.grad.layout is torch.strided and not param.grad.requires_grad:
+            found(param)
         return found
+
+    @compiled.eager  # reads each parameter's _cdata, which Dynamo does not trace; only with the swap future on
+    def revive(self, params: list[torch.Tensor]) -> None:
+        """Hook again each of ``params`` whose tensor torch's ``swap_tensors`` replaced since it was hooked."""
+        for param in params:
+            found = self.sum_of(param)
+            if found is not None and found.impl != param._cdata:
+                found.rehook(param)
 
     def added(self, params: list[torch.Tensor]) -> None:
         """A bound optimizer's ``add_param_group``: its new low-precision parameters are hooked now, before
@@ -238,9 +274,11 @@ class Accumulation:
             from torch.distributed.tensor import DTensor
 
             if any(isinstance(p, DTensor) for p in params):
-                for param, found in list(self._sums.items()):
-                    found.release(param)
-                self._sums = WeakIdKeyDictionary()
+                for param in [*self._watched, *params]:
+                    found = self.sum_of(param)
+                    if found is not None:
+                        found.release(param)
+                self._watched = []
                 self.watching = False
                 raise ValueError(FSDP2_MESSAGE)
 
@@ -264,7 +302,7 @@ class Accumulation:
                 raise ValueError(WRITTEN_MESSAGE.format(name=name(pair, number)) + (DDP_MESSAGE_TAIL if ddp else ""))
             if before_step:
                 continue
-            found = self._sums.get(pair.low)
+            found = self.sum_of(pair.low)
             hooks = getattr(pair.low, "_post_accumulate_grad_hooks", None)
             if found is not None and found.handle is not None and hooks and next(reversed(hooks)) != found.handle.id:
                 raise ValueError(LATER_HOOK_MESSAGE.format(name=name(pair, number)))
@@ -274,7 +312,7 @@ class Accumulation:
         of the iteration (None when it got no gradient: not stepped); the scaler's own pass then unscales
         and checks them as float32 gradients, as torch's scaler does the recipe's copies."""
         for pair in binding.pairs:
-            found = self._sums.get(pair.low)
+            found = self.sum_of(pair.low)
             if found is not None:
                 found.take(pair.master)
             else:
@@ -289,7 +327,8 @@ class Accumulation:
         if not self.watching or not bound:
             return
         self.watching = False
-        for param, found in list(self._sums.items()):
-            if id(param) not in bound:
+        for param in self._watched:
+            found = self.sum_of(param)
+            if found is not None and id(param) not in bound:
                 found.release(param)
-                del self._sums[param]
+        self._watched = []

@@ -23,7 +23,7 @@ PARAM_ATTR = "_gradscaler_param"
 WRITTEN_LOW_GRADS_MESSAGE = (
     "The float16/bfloat16 gradient of {name} was written after scaler.unscale_(optimizer) moved it to its "
     "float32 master, which is what the optimizer steps (a clipping over model.parameters() other than "
-    "torch.nn.utils.clip_grad_norm_, such as clip_grad_value_ or adaptive clipping, or a function bound "
+    "torch.nn.utils.clip_grad_norm_ and clip_grad_value_, such as adaptive clipping, or a function bound "
     "before the scaler's first step?). With master_weights=True that write would be lost. Call "
     "scaler.clip_grad_norm_(optimizer, max_norm), or apply it to the optimizer's own parameters: "
     "[p for g in optimizer.param_groups for p in g['params']] (the masters, whose gradients are stepped)."

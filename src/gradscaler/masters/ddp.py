@@ -19,10 +19,10 @@ sync per move. An overflow on any rank makes the average non-finite on every ran
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 NOT_DDP_MESSAGE = (
     "scaler.register_ddp(module): module is a {kind}, not a torch.nn.parallel.DistributedDataParallel. "
@@ -41,7 +41,9 @@ class DataParallel:
     """The parameters of the DDP modules registered with one scaler, each with DDP's process group."""
 
     def __init__(self) -> None:
-        self._groups = WeakIdKeyDictionary()  # parameter -> DDP's process group
+        # (the DDP module, weakly; its process group; the ids of the parameters it reduces): ids, not weak
+        # references to parameters, which torch's swap_tensors refuses; the live module keeps them valid
+        self._modules: list[tuple[weakref.ReferenceType[Any], Any, frozenset[int]]] = []
 
     def register(self, module: Any) -> list[torch.Tensor]:
         """Take ``module``'s process group and the parameters DDP reduces (not ``parameters_to_ignore``);
@@ -50,21 +52,28 @@ class DataParallel:
             raise TypeError(NOT_DDP_MESSAGE.format(kind=type(module).__name__))
         ignored: set[str] = getattr(module, "parameters_to_ignore", set())
         params = [p for name, p in module.module.named_parameters() if p.requires_grad and name not in ignored]
-        for param in params:
-            self._groups[param] = module.process_group
+        self._modules = [entry for entry in self._modules if entry[0]() not in (None, module)]
+        self._modules.append((weakref.ref(module), module.process_group, frozenset(map(id, params))))
         return params
 
     def __bool__(self) -> bool:
-        return len(self._groups) > 0
+        return any(entry[0]() is not None for entry in self._modules)
+
+    def group_of(self, param: torch.Tensor) -> Any:
+        """DDP's process group of ``param`` if a registered module reduces it, else None."""
+        for module, group, ids in self._modules:
+            if id(param) in ids and module() is not None:
+                return group
+        return None
 
     def covers(self, param: torch.Tensor) -> bool:
         """Whether ``param``'s gradient is DDP's to reduce (registered)."""
-        return param in self._groups
+        return self.group_of(param) is not None
 
     def drop_reduced(self, params: list[torch.Tensor]) -> None:
         """Before the move: drop what DDP's reducer wrote into the registered parameters' ``.grad``."""
         for param in params:
-            if param.grad is not None and param in self._groups:
+            if param.grad is not None and self.covers(param):
                 param.grad = None
 
     def reduce(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -72,7 +81,7 @@ class DataParallel:
         parameter, master) across their DDP groups, as the module docstring says."""
         batches: dict[tuple[int, torch.device], tuple[Any, list[torch.Tensor]]] = {}
         for low, master in pairs:
-            group = self._groups.get(low)
+            group = self.group_of(low)
             if group is not None:
                 batches.setdefault((id(group), master.device), (group, []))[1].append(master)
         for group, masters in batches.values():

@@ -186,7 +186,10 @@ class MasterWeights:
     def watch(self, output: Any) -> Any:
         """At ``scale()``, ``output`` a scaled tensor: with ``accumulate_grads_in_fp32``, hook the
         parameters of its graph (``accumulate``). Returns ``output``."""
-        return output if self._sums is None else self._sums.watch(output)
+        return output if self._sums is None else self._sums.watch(output, self._lows)
+
+    def _lows(self) -> list[torch.Tensor]:
+        return [low for binding in self._bindings.values() for low in binding.lows()]
 
     def register_ddp(self, module: Any) -> None:
         """``scaler.register_ddp``: average the float32 sums of ``module``'s parameters across its ranks."""
@@ -354,7 +357,7 @@ class MasterWeights:
             if binding.moved:
                 _end(binding)
         if self._sums is not None:
-            self._sums.end_iteration({id(low) for binding in self._bindings.values() for low in binding.lows()})
+            self._sums.end_iteration({id(low) for low in self._lows()})
 
     def refuse_disabled(self, optimizer: torch.optim.Optimizer) -> None:
         """For a disabled scaler asked for masters: ``ValueError`` if ``optimizer`` would step a

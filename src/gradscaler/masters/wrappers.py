@@ -1,9 +1,9 @@
 """What ``master_weights=True`` puts around the user's objects so their own calls reach the masters.
 
 * ``unwrap``: the optimizer an Accelerate or Lightning wrapper stands for (it shares its ``param_groups``).
-* ``clip_grad_norm_``: ``torch.nn.utils.clip_grad_norm_`` once gradients are in masters (``route_clipping``
-  installs it): a float16 parameter whose gradient a scaler moved (``route``) is clipped through its
-  master, every other parameter as torch clips it.
+* ``clip_grad_norm_``, ``clip_grad_value_``: torch's two clippings once gradients are in masters
+  (``route_clipping`` installs them in ``torch.nn.utils``): a float16 parameter whose gradient a scaler
+  moved (``route``) is clipped through its master, every other parameter as torch clips it.
 * ``ZeroGradBoth``: a bound optimizer's ``zero_grad``, which also clears the float16/bfloat16 parameters'
   gradients (a backward writes them; the optimizer holds the masters).
 * ``AddParamGroupChecked``: a bound optimizer's ``add_param_group``, which refuses a parameter its masters
@@ -30,6 +30,8 @@ _MOVED: dict[int, weakref.ReferenceType[torch.Tensor]] = {}
 _WIDE: set[int] = set()
 torch_clip_grad_norm_ = torch.nn.utils.clip_grad_norm_
 """torch's own ``clip_grad_norm_``, as torch defines it."""
+torch_clip_grad_value_ = torch.nn.utils.clip_grad_value_
+"""torch's own ``clip_grad_value_``, as torch defines it."""
 
 
 def route(low: torch.Tensor, master: torch.Tensor) -> None:
@@ -67,23 +69,43 @@ def stand_ins(params: list[torch.Tensor]) -> list[torch.Tensor]:
     return [_stand_in(p) for p in params]
 
 
+def _routed(parameters: Any) -> list[torch.Tensor]:
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    if _WIDE or any(p.dtype in LOW_PRECISION for p in params):  # _WIDE: a bound model cast to float32
+        params = stand_ins(params)
+    return params
+
+
 def clip_grad_norm_(parameters: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` once a scaler with masters has moved gradients: float16
     parameters whose gradients are in float32 masters are clipped through those masters
     (``scaler.unscale_(opt); torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` as in torch's
     recipe, nanoGPT, Accelerate and the HF Trainer); every other parameter as torch clips it. Without
     a low-precision parameter it is torch's call, traced as such in compiled code."""
-    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    if _WIDE or any(p.dtype in LOW_PRECISION for p in params):  # _WIDE: a bound model cast to float32
-        params = stand_ins(params)
-    return torch_clip_grad_norm_(params, *args, **kwargs)
+    return torch_clip_grad_norm_(_routed(parameters), *args, **kwargs)
+
+
+def clip_grad_value_(parameters: Any, *args: Any, **kwargs: Any) -> None:
+    """``torch.nn.utils.clip_grad_value_`` routed as ``clip_grad_norm_`` is: the gradients of float16
+    parameters that are in float32 masters are clamped there (with ``accumulate_grads_in_fp32`` the
+    parameters hold none, and torch's call over ``model.parameters()`` would clip nothing)."""
+    torch_clip_grad_value_(_routed(parameters), *args, **kwargs)
+
+
+ROUTED_CLIPPING = {
+    "clip_grad_norm_": (torch_clip_grad_norm_, clip_grad_norm_),
+    "clip_grad_value_": (torch_clip_grad_value_, clip_grad_value_),
+}
+"""The name in ``torch.nn.utils`` -> (torch's function, the routed one ``route_clipping`` installs)."""
 
 
 def route_clipping() -> None:
-    """Make ``torch.nn.utils.clip_grad_norm_`` reach the masters (``clip_grad_norm_``) unless someone else
-    rebound it. Without it, clipping ``model.parameters()`` after ``unscale_`` would find no gradients."""
-    if torch.nn.utils.clip_grad_norm_ is torch_clip_grad_norm_:
-        torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
+    """Make ``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_`` reach the masters unless someone
+    else rebound them. Without it, clipping ``model.parameters()`` after ``unscale_`` would write float16
+    gradients the step does not read (refused at ``step``) or, accumulating in float32, find none."""
+    for name, (torchs, routed) in ROUTED_CLIPPING.items():
+        if getattr(torch.nn.utils, name) is torchs:
+            setattr(torch.nn.utils, name, routed)
 
 
 def unwrap(optimizer: Any) -> Any:
