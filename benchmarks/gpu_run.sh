@@ -16,6 +16,8 @@
 #   bench         gradscaler bench: kernel, step, iteration, masters and memory sections
 #   compile       gradscaler bench --sections compile: eager, compiled model, compiled step and compiled
 #                 step with mode="reduce-overhead" (CUDA graphs), torch's scaler against ours
+#   accumulation  gradscaler bench --sections accumulation: accumulate_grads_in_fp32's precision (1 M
+#                 values), the bfloat16 training gap, bytes per parameter and time per micro-batch
 #   demo          gradscaler demo --device cuda
 set -uo pipefail
 py=${PYTHON:-python3}
@@ -65,6 +67,8 @@ step bench 300 "$py" -m gradscaler bench --device cuda --sections kernel,step,it
     --steps "${BENCH_STEPS:-30}" --warmup 5 --out "$out/bench.json"
 step compile 300 "$py" -m gradscaler bench --device cuda --sections compile --steps 20 --warmup 5 \
     --out "$out/compile.json"
+step accumulation 300 "$py" -m gradscaler bench --device cuda --sections accumulation --steps "${BENCH_STEPS:-30}" \
+    --warmup 5 --out "$out/accumulation.json"
 step demo 300 "$py" -m gradscaler demo --device cuda --out "$out/demo" --no-progress
 if [ "${GPU_CHECK_FULL:-0}" = 1 ]; then
     step tune 600 "$py" benchmarks/tune_kernel.py

@@ -54,7 +54,8 @@ def main(out: Path) -> int:
                 problems.append(f"{counts['skipped']} of {counts['tests']} CUDA-marked tests did not run")
         md.append(f"| {name} | {rc} | {seconds} | {tests} |")
     total = sum(int(seconds) for _, _, seconds in steps)
-    md += ["", f"Total {total} s. Logs: `<step>.log` in this folder; numbers: `bench.json`, `demo/`.", ""]
+    numbers = "`bench.json`, `compile.json`, `accumulation.json`, `demo/`"
+    md += ["", f"Total {total} s. Logs: `<step>.log` in this folder; numbers: {numbers}.", ""]
     md += ["## Verdict", ""] + ([f"- FAILED: {p}" for p in problems] or ["- every step passed"]) + [""]
     read_pass = section(out / "bench.log", "One read pass", "Optimizer step phase")
     if read_pass:
@@ -62,6 +63,9 @@ def main(out: Path) -> int:
     compiled = section(out / "compile.log", "Training steps under torch.compile", "numbers written")
     if compiled:
         md += ["## Compiled steps (bench --sections compile)", "", *compiled[2:], ""]
+    accumulation = section(out / "accumulation.log", "Gradient accumulation", "numbers written")
+    if accumulation:
+        md += ["## Float32 accumulation (bench --sections accumulation)", "", *accumulation[1:], ""]
     demo = section(out / "demo.log", "| run", "figure:")
     if demo:
         md += ["## Demo", "", *demo, ""]

@@ -47,13 +47,17 @@ def folder(tmp_path: Path, steps: list[tuple[str, int]], cuda_skipped: int = 0) 
         "bench: ...\ndevice: cuda\n\nTraining steps under torch.compile (inductor; ...):\n\n"
         "| loop shape | mode |\n|---|---|\n| adamw | eager |\n\nnumbers written to compile.json\n"
     )
+    (tmp_path / "accumulation.log").write_text(
+        "bench: ...\n\nGradient accumulation (accumulate_grads_in_fp32): relative error ...:\n\n"
+        "| parameters | micro-batches |\n|---|---|\n| bfloat16 | 8 |\n\nnumbers written to accumulation.json\n"
+    )
     (tmp_path / "demo.log").write_text(
         "intro\n| run | final loss |\n|---|---|\n| fp32 | 1.2 |\n\nverdict\nfigure: x.png\n"
     )
     return tmp_path
 
 
-STEPS = [("cuda-tests", 0), ("gpu-tests", 0), ("bench", 0), ("compile", 0), ("demo", 0)]
+STEPS = [("cuda-tests", 0), ("gpu-tests", 0), ("bench", 0), ("compile", 0), ("accumulation", 0), ("demo", 0)]
 
 
 def test_summary_of_a_clean_run(tmp_path: Path) -> None:
@@ -63,6 +67,7 @@ def test_summary_of_a_clean_run(tmp_path: Path) -> None:
     assert "| cuda-tests | 0 | 12 | 40 / 0 / 0 / 0 |" in text
     assert "| gpu-tests | 0 | 12 | 147 / 0 / 0 / 3 |" in text
     assert "- every step passed" in text and "| fp32 | 1.2 |" in text and "figure:" not in text
+    assert "| bfloat16 | 8 |" in text and "numbers written" not in text
     assert "| adamw | eager |" in text and "numbers written" not in text
 
 
@@ -72,7 +77,7 @@ def test_summary_fails_the_run(tmp_path: Path, problem: str) -> None:
     if problem == "a_step_failed":
         steps[2] = ("bench", 1)
     if problem == "a_step_timed_out":
-        steps[4] = ("demo", 124)
+        steps[5] = ("demo", 124)
     out = folder(tmp_path, steps, cuda_skipped=2 if problem == "a_cuda_test_skipped" else 0)
     assert gpu_summary.main(out) == 1
     text = (out / "summary.md").read_text()

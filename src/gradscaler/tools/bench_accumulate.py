@@ -183,6 +183,8 @@ def time_section(
     for round_ in range(rounds + 2):
         for index, (model, optimizer, scaler) in enumerate(systems):
             optimizer.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize()  # the last step's kernels are not this round's
             begin = time.perf_counter()
             for _ in range(micro):
                 scaler.scale(_loss(model, tokens) / micro).backward()
