@@ -309,3 +309,24 @@ def test_a_float16_model_resuming_a_float32_sgd_run_equals_the_recipe_given_the_
     assert_same_trace(iterate(ours, range(5, 9), trace), iterate(reference, range(5, 9), expected))
     assert_same_masters(ours, reference)
     assert_same_state(ours.optimizer, reference.optimizer)
+
+
+# Noticed beside them: optimizer.zero_grad(set_to_none=False) between unscale_ and step --------------------
+
+
+def test_optimizer_zero_grad_in_place_between_unscale_and_step_equals_the_recipe() -> None:
+    """It zeroes the masters' gradients and the float16 ones kept after ``unscale_`` alike: no write the
+    step would miss (it was refused as one); the step then steps zeros, as the recipe's does."""
+    ours, reference = ours_with(), recipe_with()
+    trace, expected = iterate(ours, range(3), new_trace()), iterate(reference, range(3), new_trace())
+    for system, into in ((ours, trace), (reference, expected)):
+        system.zero_grad("optimizer", True)
+        system.backward(loss_of(system.model, 3))  # type: ignore[arg-type]
+        system.unscale_()
+        system.zero_grad("optimizer", False)
+        system.step()
+        system.update()
+        record(system, into)
+    assert_same_trace(iterate(ours, range(4, 7), trace), iterate(reference, range(4, 7), expected))
+    assert_same_masters(ours, reference)
+    assert_same_state(ours.optimizer, reference.optimizer)

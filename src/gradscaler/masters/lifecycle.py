@@ -400,7 +400,7 @@ class MasterWeights:
             save = checkpoint.save_hook(binding.saved_value)
             load = checkpoint.load_hook(binding.restore, functools.partial(_end, binding))
             binding.hooks = checkpoint.install_hooks(optimizer, save, load)
-            optimizer.zero_grad = ZeroGradBoth(optimizer, binding.lows)  # type: ignore[method-assign]
+            optimizer.zero_grad = ZeroGradBoth(optimizer, binding.lows, binding.zeroed_kept)  # type: ignore[method-assign]
             added = None if self._sums is None else self._sums.added
             optimizer.add_param_group = AddParamGroupChecked(optimizer, binding.lows, added)  # type: ignore[method-assign]
             self._bindings[optimizer] = binding

@@ -116,6 +116,13 @@ class Binding:
         self.moved = False
         self.drop_kept()
 
+    def zeroed_kept(self) -> None:
+        """``optimizer.zero_grad(set_to_none=False)`` zeroed the masters' gradients and the kept float16
+        ones alike: that write is no change the step would miss."""
+        for pair in self.pairs:
+            if pair.kept is not None and pair.low.grad is pair.kept:
+                pair.kept_version = pair.kept._version
+
     def drop_kept(self) -> None:
         """Drop each kept float16 gradient the parameter still holds (a new backward's is not touched)."""
         for pair in self.pairs:

@@ -128,9 +128,15 @@ class ZeroGradBoth:
     Installed on the instance (``Optimizer.__getstate__`` leaves it out of pickles and deep copies,
     which bind afresh); holds the optimizer weakly."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, lows: Callable[[], Iterable[torch.Tensor]]) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        lows: Callable[[], Iterable[torch.Tensor]],
+        zeroed: Callable[[], None] | None = None,
+    ) -> None:
         self._optimizer = weakref.ref(optimizer)
         self._lows = lows
+        self._zeroed = zeroed  # told after zeroing in place (the kept gradients after ``unscale_`` too)
 
     @compiled.eager  # torch's zero_grad, which it calls, is one Dynamo skips too
     def __call__(self, set_to_none: bool = True) -> None:
@@ -150,6 +156,8 @@ class ZeroGradBoth:
             else:
                 grad.requires_grad_(False)
             grad.zero_()
+        if not set_to_none and self._zeroed is not None:
+            self._zeroed()
 
 
 class AddParamGroupChecked:
