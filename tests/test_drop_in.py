@@ -149,3 +149,18 @@ def test_is_torch_patched_is_public_and_says_whether_the_patch_is_in_effect() ->
     with gradscaler.patch_torch():
         assert gradscaler.is_torch_patched()
     assert not gradscaler.is_torch_patched()
+
+
+@pytest.mark.parametrize("master_weights", [False, True])
+def test_a_spelling_bound_to_ours_already_is_patched_and_restored_as_it_was(master_weights: bool) -> None:
+    """A user's alias ``torch.amp.GradScaler = gradscaler.GradScaler`` before ``patch_torch``: the patch
+    went half in and raised ``KeyError`` (looking for torch's function of a clipping it is not)."""
+    original = torch.amp.GradScaler
+    torch.amp.GradScaler = gradscaler.GradScaler  # type: ignore[misc]
+    try:
+        with gradscaler.patch_torch(master_weights=master_weights):
+            assert gradscaler.is_torch_patched() and issubclass(torch.GradScaler, gradscaler.GradScaler)
+        assert torch.amp.GradScaler is gradscaler.GradScaler  # as the user left it
+        assert not gradscaler.is_torch_patched() and torch.GradScaler is original
+    finally:
+        torch.amp.GradScaler = original  # type: ignore[misc]

@@ -69,3 +69,42 @@ def test_a_new_parameter_never_inherits_a_dead_ones_name() -> None:
     scaler.step(opt)
     scaler.update()
     assert scaler.nonfinite_parameters() == ["param_groups[0][0] (3,)"]
+
+
+def test_naming_a_module_keeps_no_weak_reference_to_its_parameters_and_names_them_after_a_swap() -> None:
+    """``name_parameters(model)`` held each parameter weakly, so ``model.float()`` under torch's
+    swap-tensors future (``torch.utils.swap_tensors`` refuses a weakly referenced tensor) failed."""
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+        scaler = GradScaler("cpu")
+        scaler.name_parameters(model)
+        model.double()
+        model.float()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(torch.ones(1, 4)).sum().backward()
+        model[2].weight.grad.fill_(float("inf"))
+        scaler.scale(torch.ones(()))
+        scaler.step(opt)
+        scaler.update()
+        assert scaler.nonfinite_parameters() == ["2.weight"]
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
+    assert weakref.getweakrefs(model[0].weight) == []
+    ref = weakref.ref(model)
+    del model, opt
+    gc.collect()
+    assert ref() is None and scaler.nonfinite_parameters() == []
+
+
+def test_a_model_thrown_away_in_the_first_accumulating_iteration_is_collected() -> None:
+    """With float32 sums the first iteration's hooked parameters are held weakly until they are bound:
+    a retry that rebuilds the model (after an out-of-memory error, say) does not keep the old one."""
+    scaler = GradScaler("cpu", master_weights=True, accumulate_grads_in_fp32=True)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)).half()
+    scaler.scale(model(torch.ones(1, 4, dtype=torch.float16)).float().sum()).backward()
+    refs = [weakref.ref(model), *(weakref.ref(p) for p in model.parameters())]
+    del model
+    gc.collect()
+    assert [ref() is None for ref in refs] == [True] * len(refs)

@@ -563,3 +563,58 @@ def test_the_whole_step_compiled_keeps_no_recompile_and_no_more_breaks(shape: Sh
         plain = Shape(shape.fused, shape.clip, True, accumulate)
         counted[accumulate] = [(b.reason, b.in_library) for b in breaks(build(plain, ours=True), inputs(2))]
     assert counted[True] == counted[False]
+
+
+def test_parameters_no_optimizer_binds_get_their_gradients_back_at_the_first_update_even_with_none_bound() -> None:
+    """A float16 base outside the only optimizer, which holds a float32 head: no master is ever bound, and
+    the base's gradient stayed in the hook's sum for good (and every ``scale()`` walked the graph)."""
+    torch.manual_seed(0)
+    base, head = nn.Linear(8, 16).half(), nn.Linear(16, 4)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=1e-3)
+    scaler = fp32_scaler(init_scale=8.0)
+    for step in range(3):
+        optimizer.zero_grad()
+        base.zero_grad()
+        expected = torch.zeros_like(base.weight, dtype=torch.float32)
+        for micro in range(2):
+            x, y = batch(step, micro)
+            loss = ((head(base(x.half()).float()) - y) ** 2).mean()
+            if step > 0:  # from the second iteration on autograd's own accumulation, as torch's scaler
+                scaler.scale(loss).backward()
+                continue
+            scaled = scaler.scale(loss)
+            (part,) = torch.autograd.grad(scaled, base.weight, retain_graph=True)
+            expected += part.float()
+            scaled.backward()
+        scaler.step(optimizer)
+        scaler.update()
+        assert base.weight.grad is not None and base.weight.grad.dtype == torch.float16
+        if step == 0:  # the first iteration's float32 sum, given back in float16
+            assert expected.abs().max() > 0 and torch.equal(base.weight.grad, expected.half())
+    assert not scaler._masters._sums.watching
+
+
+def test_a_tensor_subclass_parameter_swapped_with_the_future_off_is_hooked_again() -> None:
+    """``nn.Module._apply`` swaps a wrapper-subclass parameter whatever the future says (even for a
+    ``.to()`` that changes nothing), leaving the hook behind on the old tensor."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    assert not torch.__future__.get_swap_module_params_on_conversion()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4)).half()
+    weight = model[0].weight.detach()
+    model[0].weight = nn.Parameter(TwoTensor(weight.clone(), weight.clone()))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = fp32_scaler(init_scale=8.0)
+    for step in range(4):
+        if step == 2:
+            impl = model[0].weight._cdata
+            model.to(torch.float16)
+            assert model[0].weight._cdata != impl  # swapped
+        optimizer.zero_grad()
+        for micro in range(2):
+            x, y = batch(step, micro)
+            scaler.scale(((model(x.half()).float() - y) ** 2).mean()).backward()
+            assert model[0].weight.grad is None  # in the float32 sum, not accumulated by autograd
+        scaler.step(optimizer)
+        scaler.update()

@@ -233,7 +233,8 @@ def patch_torch(*, master_weights: bool = False, accumulate_grads_in_fp32: bool 
         torchs = {ours: torch_function for torch_function, ours in masters.ROUTED_CLIPPING.values()}
         for module, module_name, attr, replacement in targets:
             original = getattr(module, attr)
-            originals[(module_name, attr)] = torchs[replacement] if original is replacement else original
+            torchs_own = torchs.get(replacement) if original is replacement else None  # routed by a scaler already
+            originals[(module_name, attr)] = original if torchs_own is None else torchs_own
             setattr(module, attr, replacement)
             if isinstance(originals[(module_name, attr)], type):  # a scaler class, not a clipping
                 copyreg.pickle(originals[(module_name, attr)], _reduce_torch_scaler)

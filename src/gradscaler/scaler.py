@@ -526,7 +526,7 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
     @compiled.eager
     def name_parameters(self, named: Any) -> None:
         """Tell the scaler parameter names for overflow reports: a module or ``named_parameters()``."""
-        self._monitor.name_parameters(named.named_parameters() if isinstance(named, torch.nn.Module) else named)
+        self._monitor.name_parameters(named)
 
     @compiled.eager
     def master_weights(self, optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -14,9 +14,10 @@ iteration's tensor when it is still there: no second float32 buffer); before the
 iteration: masters are bound at the scaler's first contact with the optimizer, after its micro-batches)
 in the hook itself, which the binding hands to the master. Which parameters get hooks: those the
 scaler meets in the graph of a ``scale(loss)`` output (its ``AccumulateGrad`` leaves that are float16 or
-bfloat16 ``nn.Parameter``s) until the first ``update()`` after a binding, every parameter a master is
-bound to, and those a bound optimizer's ``add_param_group`` adds. A parameter hooked from the graph that
-no optimizer of the scaler binds gets its gradient back in its dtype at that ``update()``.
+bfloat16 ``nn.Parameter``s) until the first ``update()``, every parameter a master is bound to, and
+those a bound optimizer's ``add_param_group`` adds. A parameter hooked from the graph that no optimizer
+of the scaler binds by then gets its gradient back in its dtype at that ``update()`` (held weakly until
+then: a model thrown away in the first iteration goes).
 
 ``Accumulation`` is what ``MasterWeights`` holds; its ``take`` is the move of an accumulating binding.
 Under DDP, ``scaler.register_ddp(ddp_model)`` (``ddp.DataParallel``): at the move the reduced gradient
@@ -32,6 +33,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from gradscaler import compiled
 from gradscaler.masters.checks import LOW_PRECISION
@@ -215,19 +217,23 @@ class Accumulation:
         # id of a hooked parameter -> its Sum, which the parameter's hooks keep alive: no reference to a
         # parameter here (torch's swap_tensors refuses a weakly referenced one)
         self._sums: weakref.WeakValueDictionary[int, Sum] = weakref.WeakValueDictionary()
-        self._watched: list[torch.Tensor] = []  # hooked from the scaled graphs, while ``watching``
-        self.watching = True  # hooks from the scaled graphs, until the first update() after a binding
+        # hooked from the scaled graphs and not bound yet, weakly (a model thrown away in the first
+        # iteration goes): they are given back at the first update() unless bound by then
+        self._watched = WeakIdKeyDictionary()
+        self.watching = True  # hooks from the scaled graphs, until the first update()
+        self.subclassed = False  # a tensor subclass is hooked: nn.Module._apply swaps it, future on or off
         self.ddp = DataParallel()  # the parameters of registered DDP modules: their sums averaged at the move
 
     def watch(self, output: Any, bound: Callable[[], list[torch.Tensor]]) -> Any:
         """At ``scale()``: hook the low-precision parameters of ``output``'s graph (first iteration only);
-        with torch's swap-tensors future on, hook again each of the ``bound()`` parameters a conversion
-        swapped since (``Sum.rehook``), before this backward reaches them."""
+        with torch's swap-tensors future on (or a tensor subclass hooked), hook again each of the
+        ``bound()`` parameters a conversion swapped since (``Sum.rehook``), before this backward reaches
+        them."""
         if self.watching and isinstance(output, torch.Tensor) and output.grad_fn is not None:
             for param in graph_leaves(output):
                 self.hook(param)
-        if torch.__future__.get_swap_module_params_on_conversion():
-            self.revive([*self._watched, *bound()])
+        if self.subclassed or torch.__future__.get_swap_module_params_on_conversion():
+            self.revive(bound())
         return output
 
     def sum_of(self, param: torch.Tensor) -> Sum | None:
@@ -246,8 +252,9 @@ class Accumulation:
         found = Sum(param, self)
         found.handle = param.register_post_accumulate_grad_hook(found)
         self._sums[id(param)] = found
+        self.subclassed = self.subclassed or type(param) not in (torch.Tensor, torch.nn.Parameter)
         if self.watching:
-            self._watched.append(param)
+            self._watched[param] = True
         if param.grad is not None and param.grad.layout is torch.strided and not param.grad.requires_grad:
             found(param)
         return found
@@ -274,11 +281,11 @@ class Accumulation:
             from torch.distributed.tensor import DTensor
 
             if any(isinstance(p, DTensor) for p in params):
-                for param in [*self._watched, *params]:
+                for param in [*self._watched.keys(), *params]:
                     found = self.sum_of(param)
                     if found is not None:
                         found.release(param)
-                self._watched = []
+                self._watched = WeakIdKeyDictionary()
                 self.watching = False
                 raise ValueError(FSDP2_MESSAGE)
 
@@ -286,6 +293,7 @@ class Accumulation:
         """Hook every parameter of ``binding`` (hooked already or not) and point its sum at its master."""
         for pair in binding.pairs:
             found = self.hook(pair.low)
+            self._watched.pop(pair.low, None)  # the binding holds it now
             if found.master is None or found.master() is not pair.master:
                 found.master = weakref.ref(pair.master)
 
@@ -322,13 +330,13 @@ class Accumulation:
             self.ddp.reduce([(pair.low, pair.master) for pair in binding.pairs])
 
     def end_iteration(self, bound: set[int]) -> None:
-        """At ``update()``: after the first iteration with a binding, stop hooking from the scaled graphs
-        and give the parameters no optimizer of the scaler binds (``bound``: their ids) back to autograd."""
-        if not self.watching or not bound:
+        """At the first ``update()``: stop hooking from the scaled graphs and give the parameters no
+        optimizer of the scaler binds (``bound``: their ids) back to autograd, their sum in ``.grad``."""
+        if not self.watching:
             return
         self.watching = False
-        for param in self._watched:
+        for param in list(self._watched.keys()):
             found = self.sum_of(param)
             if found is not None and id(param) not in bound:
                 found.release(param)
-        self._watched = []
+        self._watched = WeakIdKeyDictionary()

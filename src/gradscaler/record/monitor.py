@@ -71,7 +71,10 @@ class Monitor:
     optimizers (weak references) and the clipping norms are per process: pickling drops them,
     ``copy.deepcopy`` keeps them (see ``__getstate__`` and ``__deepcopy__``). Names and norms are
     keyed weakly by the parameter and the optimizer themselves: they keep nothing alive, and go with
-    their key (a new object at a dead one's address inherits nothing).
+    their key (a new object at a dead one's address inherits nothing). A module named whole is held
+    weakly and named when a report asks, holding no reference to its parameters (torch's
+    ``swap_tensors``, which ``model.float()`` calls under the swap-tensors future, refuses a weakly
+    referenced parameter).
     """
 
     def __init__(
@@ -91,7 +94,8 @@ class Monitor:
         self.on_collapse = on_collapse
         self.steps = steps
         self.loggers: list[tuple[Logger, int]] = []
-        self.param_names: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> name
+        self.param_names: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> name, given in pairs
+        self.named_modules: list[weakref.ReferenceType[torch.nn.Module]] = []  # given whole
         self.stands_for = stands_for  # a tensor the optimizer steps -> the model parameter it stands for
         self.grad_norms: WeakById[list[NormRecord]] = WeakById()  # by optimizer
         self.last_optimizers: list[OptimizerRef] = []
@@ -114,16 +118,33 @@ class Monitor:
             raise ValueError(f"every must be an int >= 1, got {every!r}.")
         self.loggers.append((callback, every))
 
-    def name_parameters(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Remember ``name`` for each ``(name, parameter)``."""
-        for name, param in pairs:
+    def name_parameters(self, named: torch.nn.Module | Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Remember a module's parameter names (``named_parameters()`` when a report asks), or ``name`` for
+        each ``(name, parameter)``."""
+        if isinstance(named, torch.nn.Module):
+            self.named_modules = [ref for ref in self.named_modules if ref() not in (None, named)]
+            self.named_modules.append(weakref.ref(named))
+            return
+        for name, param in named:
             self.param_names[param] = name
 
-    def label(self, param: torch.Tensor, where: str) -> str:
-        """The parameter's name (a master's: its model parameter's), or ``where`` and its shape when unnamed."""
-        name = self.param_names.get(param)
+    def names(self) -> dict[int, str]:
+        """``id`` -> name of each parameter of the modules named whole, alive now (the ids hold while the
+        caller holds the parameters it asks about)."""
+        out: dict[int, str] = {}
+        for ref in self.named_modules:
+            module = ref()
+            if module is not None:
+                out.update((id(param), name) for name, param in module.named_parameters())
+        return out
+
+    def label(self, param: torch.Tensor, where: str, names: dict[int, str] | None = None) -> str:
+        """The parameter's name (a master's: its model parameter's), or ``where`` and its shape when unnamed;
+        ``names``: ``names()``, when the caller labels many."""
+        names = self.names() if names is None else names
+        name = self.param_names.get(param) or names.get(id(param))
         if name is None and self.stands_for is not None and (model_param := self.stands_for(param)) is not None:
-            name = self.param_names.get(model_param)
+            name = self.param_names.get(model_param) or names.get(id(model_param))
         return name or f"{where} {tuple(param.shape)}"
 
     def clipped(
@@ -256,7 +277,8 @@ class Monitor:
             for gi, group in enumerate(optimizer.param_groups if optimizer is not None else []):
                 for pi, param in enumerate(group["params"]):
                     where.setdefault(id(param), f"param_groups[{gi}][{pi}]")
-        return [self.label(p, where.get(id(p), "parameter")) for p in bad]
+        names = self.names()
+        return [self.label(p, where.get(id(p), "parameter"), names) for p in bad]
 
     def _collapse_message(self, run: int, scale: float) -> str:
         names = self.nonfinite_parameters()
@@ -274,6 +296,7 @@ class Monitor:
     def nonfinite_parameters(self) -> list[str]:
         """Names of the last iteration's parameters whose gradients hold inf or NaN (one sync)."""
         labelled: list[tuple[str, torch.Tensor]] = []
+        names = self.names()
         for ref in self.last_optimizers:
             optimizer = ref()
             if optimizer is None:
@@ -283,7 +306,7 @@ class Monitor:
                     if param.grad is None:
                         continue
                     finite = torch.isfinite(checkable_view(param.grad)).all()
-                    labelled.append((self.label(param, f"param_groups[{gi}][{pi}]"), finite.logical_not().cpu()))
+                    labelled.append((self.label(param, f"param_groups[{gi}][{pi}]", names), finite.logical_not().cpu()))
         if not labelled:
             return []
         bad = torch.stack([flag for _, flag in labelled]).tolist()
@@ -292,27 +315,30 @@ class Monitor:
     def last_grad_norms(self) -> dict[str, float]:
         """Unscaled per-parameter norms recorded by the last clipping pass of each optimizer (one sync)."""
         out: dict[str, float] = {}
+        names = self.names()
         for records in self.grad_norms.values():
             for params, norms in records:
                 values = norms.tolist()
-                labels = [self.label(p, f"parameter {i}") for i, p in enumerate(params)]
+                labels = [self.label(p, f"parameter {i}", names) for i, p in enumerate(params)]
                 out.update(zip(labels, values, strict=True))
         return out
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state.update(loggers=[], param_names=None, grad_norms=None, last_optimizers=[], _reads={}, _norm=None)
+        state.update(named_modules=[])
         state.update(_policies={}, _on_host=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state, param_names=WeakIdKeyDictionary(), grad_norms=WeakById())
+        self.__dict__.update(state, param_names=WeakIdKeyDictionary(), grad_norms=WeakById(), named_modules=[])
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Monitor:
         """A copy that keeps loggers (the same callbacks) and parameter names, unlike a pickle."""
         new = copy.copy(self)
         new.loggers = list(self.loggers)
         new.param_names = WeakIdKeyDictionary(self.param_names)
+        new.named_modules = list(self.named_modules)
         new.stands_for = copy.deepcopy(self.stands_for, memo)  # the copied scaler's masters
         new.grad_norms = WeakById()
         new.last_optimizers = []
