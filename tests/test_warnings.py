@@ -38,6 +38,7 @@ TESTED = {
     ("fused", "FutureWarning"): "test_a_legacy_grad_scaler_keyword",
     ("record.monitor", "ScaleCollapseWarning"): "test_collapse_with_on_collapse_warn",
     ("masters.checkpoint", "ContinuedWarning"): "test_a_float32_parameter_continued_from_a_saved_master",
+    ("masters.accumulate", "UserWarning"): "test_a_model_new_to_an_accumulating_scaler_after_its_first_iteration",
     ("kernels", "KernelFallbackWarning"): "test_kernel_fallback",
 }
 
@@ -191,6 +192,32 @@ def test_a_float32_parameter_continued_from_a_saved_master() -> None:
         line = here() + 1
         scaler.step(optimizer)
     assert_at(record, ContinuedWarning, "continues from its saved float32 master", line)
+
+
+def half_loss(model: nn.Module) -> torch.Tensor:
+    return model(torch.ones(2, 4, dtype=torch.float16)).float().pow(2).mean()
+
+
+def test_a_model_new_to_an_accumulating_scaler_after_its_first_iteration() -> None:
+    """Its first micro-batches ran before the scaler met its parameters (at the step): summed by autograd."""
+    model, optimizer, _ = half_model_run()
+    scaler = GradScaler("cpu", master_weights=True, accumulate_grads_in_fp32=True)
+    for _ in range(2):
+        scaler.scale(half_loss(model)).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    second, second_optimizer, _ = half_model_run(seed=1)
+    for _ in range(2):
+        scaler.scale(half_loss(second)).backward()
+    with caught() as record:
+        line = here() + 1
+        scaler.step(second_optimizer)
+    assert_at(record, UserWarning, "4 low-precision parameter(s) of optimizer AdamW met the scaler only", line)
+    scaler.update()
+    scaler.scale(half_loss(second)).backward()
+    with caught() as record:
+        scaler.step(second_optimizer)  # hooked now: its next iteration sums in float32, no warning
+    assert not record and all(p.grad is None for p in second.parameters())
 
 
 # ---------------------------------------------------------------- the kernels

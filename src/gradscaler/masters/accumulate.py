@@ -36,6 +36,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from gradscaler import compiled
+from gradscaler.errors import warn
 from gradscaler.masters.checks import LOW_PRECISION
 from gradscaler.masters.ddp import DataParallel
 from gradscaler.masters.pairs import Binding
@@ -95,6 +96,15 @@ LATER_HOOK_MESSAGE = (
     "own, which moves each backward's gradient into the float32 sum and sets p.grad = None: that hook "
     "saw p.grad None. Register it before the scaler first meets the parameter (before the first "
     "scaler.scale(loss)), or use param.register_hook(fn), which sees each backward's gradient."
+)
+
+
+LATE_MESSAGE = (
+    "accumulate_grads_in_fp32=True: {count} low-precision parameter(s) of optimizer {optimizer} met the "
+    "scaler only at this step, after its first iteration (a model or optimizer new to a scaler that has "
+    "trained already): this iteration's micro-batches were summed by autograd in float16/bfloat16, "
+    "as without the argument; from the next iteration on they are summed in float32. For float32 from "
+    "the start, give a new model a new scaler (scaler.state_dict() carries the scale over)."
 )
 
 
@@ -289,13 +299,19 @@ class Accumulation:
                 self.watching = False
                 raise ValueError(FSDP2_MESSAGE)
 
-    def bind(self, binding: Binding) -> None:
-        """Hook every parameter of ``binding`` (hooked already or not) and point its sum at its master."""
+    def bind(self, binding: Binding, name: str) -> None:
+        """Hook every parameter of ``binding`` (hooked already or not) and point its sum at its master;
+        a warning (``LATE_MESSAGE``, ``name``: the optimizer's) when parameters new to the scaler after
+        its first iteration come with gradients autograd has summed."""
+        late = 0
         for pair in binding.pairs:
+            late += not self.watching and pair.low.grad is not None and self.sum_of(pair.low) is None
             found = self.hook(pair.low)
             self._watched.pop(pair.low, None)  # the binding holds it now
             if found.master is None or found.master() is not pair.master:
                 found.master = weakref.ref(pair.master)
+        if late:
+            warn(LATE_MESSAGE.format(count=late, optimizer=name), UserWarning)
 
     def refuse(self, binding: Binding, name: Any, before_step: bool = False) -> None:
         """(At the move, the gradients DDP's reducer wrote into registered parameters are dropped first.)

@@ -405,7 +405,7 @@ class MasterWeights:
             optimizer.add_param_group = AddParamGroupChecked(optimizer, binding.lows, added)  # type: ignore[method-assign]
             self._bindings[optimizer] = binding
         if self._sums is not None:
-            self._sums.bind(binding)
+            self._sums.bind(binding, type(optimizer).__name__)
         return binding
 
     def _bind_param(
