@@ -3,14 +3,16 @@ nanoGPT's micro-steps, Accelerate's ``accumulate()``, the HF Trainer's ``gradien
 Lightning Fabric's ``no_backward_sync`` accumulation.
 
 Each framework's code is unchanged and driven down its CUDA fp16 path on the CPU as in
-tests/test_integration_masters.py. Where the loop lets the recipe be written by hand (an optimizer over
-float32 copies, each backward's gradients added into them in float32: ``recipe.Fp32Copies``), the run
-equals it bit for bit; the Trainer, which does not, must train.
+tests/test_integration_masters.py, and equals the recipe by hand with float32 accumulation (an optimizer
+over float32 copies, each backward's gradients added into them in float32: ``recipe.Fp32Copies``) bit for
+bit, written into the same loop (the Trainer's: a subclass that overrides its optimizer, ``training_step``
+and clipping).
 """
 
 from __future__ import annotations
 
 import io
+import warnings
 from typing import Any
 
 import pytest
@@ -91,6 +93,7 @@ def test_nanogpt_micro_steps_equal_the_recipe_with_float32_accumulation_and_resu
 
 
 accelerate = pytest.importorskip("accelerate")
+from accelerate.state import AcceleratorState  # noqa: E402
 
 
 def accelerate_run(*, by_hand: bool, steps: int = 64) -> dict[str, Any]:
@@ -124,8 +127,6 @@ def accelerate_run(*, by_hand: bool, steps: int = 64) -> dict[str, Any]:
 
 
 def test_accelerate_accumulate_equals_the_recipe_with_float32_accumulation() -> None:
-    from accelerate.state import AcceleratorState
-
     reference = accelerate_run(by_hand=True)
     AcceleratorState._reset_state(True)
     with gradscaler.patch_torch(master_weights=True, accumulate_grads_in_fp32=True):
@@ -139,39 +140,98 @@ def test_accelerate_accumulate_equals_the_recipe_with_float32_accumulation() -> 
 transformers = pytest.importorskip("transformers")
 
 
-def test_hf_trainer_gradient_accumulation_steps_trains(tmp_path: Any) -> None:
-    """``Trainer(fp16=True, gradient_accumulation_steps=MICRO)`` on a tiny GPT-2 in float16: its own
-    clipping (``accelerator.clip_grad_norm_(model.parameters())``) reaches the float32 sums."""
-    import warnings
-
-    from transformers import Trainer, TrainingArguments
+def trainer_run(tmp_path: Any, *, by_hand: bool, steps: int = 12) -> dict[str, Any]:
+    """``Trainer(fp16=True, gradient_accumulation_steps=MICRO)`` on a tiny GPT-2 in float16, its scaler built
+    by torch's spelling (``GradScaler`` while patched). By hand (``by_hand``), a Trainer subclass writes the
+    recipe inside the Trainer's own loop: its optimizer (the Trainer's, with its weight-decay groups) steps
+    float32 copies; after each ``training_step`` (forward and backward) each gradient is added into the
+    copies in float32 and released; the Trainer's clipping (``accelerator.clip_grad_norm_(model.parameters())``)
+    clips the copies instead; an applied step (the scale did not back off) is copied back."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from integration_helpers import tiny_gpt2
 
-    steps = 12
     model = tiny_gpt2().to(torch.float16)
+    hand = Fp32Copies(model.parameters()) if by_hand else None
+    scales: list[float] = []
+
+    class RecipeTrainer(Trainer):
+        def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
+            optimizer = super().create_optimizer(model)
+            assert hand is not None
+            copy_of = {id(p): c for p, c in hand.pairs}
+            for group in optimizer.param_groups:
+                group["params"] = [copy_of.get(id(p), p) for p in group["params"]]
+            return optimizer
+
+        def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+            loss = super().training_step(*args, **kwargs)
+            assert hand is not None
+            hand.accumulate()
+            return loss
+
+        def _clip_grad_norm(self, model: nn.Module) -> Any:
+            assert hand is not None
+            hand.move_grads()
+            return self.accelerator.clip_grad_norm_(hand.params(), self.args.max_grad_norm)
+
+    class Record(TrainerCallback):
+        before = 0.0
+
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.before = scaler.get_scale()
+
+        def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if hand and scaler.get_scale() >= self.before:  # applied: torch's rule backs off on every skip
+                hand.copy_back()
+            scales.append(scaler.get_scale())
+
     ids = torch.randint(0, 8, (4, 16), generator=torch.Generator().manual_seed(1))
     data = [{"input_ids": ids[i % 4], "labels": ids[i % 4]} for i in range(steps * 2 * MICRO)]
     args = TrainingArguments(
         output_dir=str(tmp_path), fp16=True, use_cpu=True, optim="adamw_torch_fused", learning_rate=3e-3,
-        max_steps=steps, per_device_train_batch_size=2, gradient_accumulation_steps=MICRO, max_grad_norm=1.0,
-        logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True, seed=0, dataloader_num_workers=0,
+        weight_decay=0.01, max_steps=steps, per_device_train_batch_size=2, gradient_accumulation_steps=MICRO,
+        max_grad_norm=1.0, logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True, seed=0,
+        dataloader_num_workers=0,
     )  # fmt: skip
+    trainer = (RecipeTrainer if by_hand else Trainer)(model=model, args=args, train_dataset=data, callbacks=[Record()])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        scaler = torch.amp.GradScaler("cpu", **EARLY_OVERFLOW)
+    trainer.accelerator.native_amp = True
+    trainer.accelerator.scaler = scaler
+    trainer.train()
+    history = trainer.state.log_history
+    return {
+        "losses": [entry["loss"] for entry in history if "loss" in entry],
+        "norms": [entry["grad_norm"] for entry in history if "grad_norm" in entry],
+        "scales": scales,
+        "params": {k: v.clone() for k, v in model.state_dict().items()},
+        "grads": [p.grad for p in model.parameters()],
+        "scaler": scaler,
+    }
+
+
+def test_hf_trainer_gradient_accumulation_steps_equals_the_recipe_with_float32_accumulation(tmp_path: Any) -> None:
+    """The unchanged Trainer under the patch: its ``model.zero_grad()``, its clipping over
+    ``model.parameters()`` (the float32 sums' norm, logged) and Accelerate's step, bit for bit the recipe."""
+    from integration_helpers import tiny_gpt2
+
+    reference = trainer_run(tmp_path / "hand", by_hand=True)
+    AcceleratorState._reset_state(True)
     with gradscaler.patch_torch(master_weights=True, accumulate_grads_in_fp32=True):
-        trainer = Trainer(model=model, args=args, train_dataset=data)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            scaler = torch.amp.GradScaler("cpu")
-        trainer.accelerator.native_amp = True
-        trainer.accelerator.scaler = scaler
-        trainer.train()
-    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    norms = [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
-    assert isinstance(scaler, gradscaler.GradScaler) and scaler._masters._sums is not None
-    assert scaler.stats()["steps"] == steps
-    assert all(loss == loss for loss in losses) and sum(losses[-3:]) < sum(losses[:3]), losses
-    assert norms and all(float(n) > 0 for n in norms if float(n) == float(n))  # the sums' norm, not 0
-    assert all(p.grad is None for p in model.parameters())
+        run = trainer_run(tmp_path / "ours", by_hand=False)
+    scaler = run.pop("scaler")
+    reference.pop("scaler")
+    assert isinstance(scaler, gradscaler.GradScaler) and scaler.stats()["steps"] == 12
+    assert min(reference["scales"]) < EARLY_OVERFLOW["init_scale"]  # an overflow reached the float32 sums
+    assert 0 < scaler.stats()["skipped_steps"] < 12
+    initial = tiny_gpt2().half().state_dict()
+    assert all(not torch.equal(v, initial[k]) for k, v in reference["params"].items())  # steps were applied
+    assert sum(reference["losses"][-3:]) < sum(reference["losses"][:3]), reference["losses"]
+    assert len(run["norms"]) == 12 and any(n == n and n > 1.0 for n in run["norms"])  # finite, clipped
+    assert all(grad is None for grad in run["grads"])
+    assert_bit_identical(run, reference)
 
 
 lightning = pytest.importorskip("lightning")
