@@ -1,17 +1,19 @@
 """``patch_torch(master_weights=True, accumulate_grads_in_fp32=True)`` in real clients' accumulation loops:
-nanoGPT's micro-steps, Accelerate's ``accumulate()``, the HF Trainer's ``gradient_accumulation_steps`` and
-Lightning Fabric's ``no_backward_sync`` accumulation.
+nanoGPT's micro-steps, Accelerate's ``accumulate()``, the HF Trainer's ``gradient_accumulation_steps``,
+Lightning Fabric's ``no_backward_sync`` accumulation and the Lightning Trainer's ``accumulate_grad_batches``
+(its AMP plugin given ``scaler=GradScaler(..., master_weights=True, accumulate_grads_in_fp32=True)``).
 
 Each framework's code is unchanged and driven down its CUDA fp16 path on the CPU as in
 tests/test_integration_masters.py, and equals the recipe by hand with float32 accumulation (an optimizer
 over float32 copies, each backward's gradients added into them in float32: ``recipe.Fp32Copies``) bit for
 bit, written into the same loop (the Trainer's: a subclass that overrides its optimizer, ``training_step``
-and clipping).
+and clipping; the Lightning Trainer's: a LightningModule whose hooks do the same).
 """
 
 from __future__ import annotations
 
 import io
+import itertools
 import warnings
 from typing import Any
 
@@ -277,4 +279,98 @@ def test_lightning_fabric_accumulation_equals_the_recipe_with_float32_accumulati
     assert all(v.dtype == torch.float16 for v in reference["params"].values())
     initial = mlp(0).half().state_dict()
     assert all(not torch.equal(v, initial[k]) for k, v in reference["params"].items())
+    assert_bit_identical(run, reference)
+
+
+def lightning_trainer_run(tmp_path: Any, *, by_hand: bool, fused: bool, steps: int = 12) -> dict[str, Any]:
+    """``pl.Trainer(accumulate_grad_batches=MICRO)`` with the AMP plugin ``MixedPrecision("16-mixed", "cpu",
+    scaler=...)`` on a LightningModule whose network is float16; Lightning divides each loss by ``MICRO``,
+    clears the gradients (``optimizer.zero_grad()``) before the first backward of a window and runs the
+    last micro-batch inside ``optimizer_step`` (its closure), then ``unscale_``, ``on_before_optimizer_step``,
+    its clipping (to 0.2) over the optimizer's parameters (not with a fused optimizer: Lightning refuses it), the
+    scaler's ``step`` and ``update``. Ours: ``scaler=GradScaler("cpu", master_weights=True,
+    accumulate_grads_in_fp32=True)``, the module unchanged. By hand: torch's scaler, ``configure_optimizers``
+    over the float32 copies, each backward's gradients added into them in ``on_after_backward`` (Lightning's
+    hook after every backward), the window closed in ``on_before_optimizer_step`` (every parameter gets a
+    gradient in each micro-batch here, so closing it after ``unscale_`` changes no copy's gradient), and an
+    applied step (the scale did not back off) copied back after ``optimizer_step``."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    net = mlp(0).half()
+    hand = Fp32Copies(net.parameters()) if by_hand else None
+    if hand:
+        scaler: Any = torch.amp.GradScaler("cpu", **EARLY_OVERFLOW)
+    else:
+        scaler = gradscaler.GradScaler("cpu", master_weights=True, accumulate_grads_in_fp32=True, **EARLY_OVERFLOW)
+    losses: list[torch.Tensor] = []
+    norms: list[torch.Tensor] = []
+    scales: list[float] = []
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = net
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            loss = torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+            losses.append(loss.detach().clone())
+            return loss
+
+        def on_after_backward(self) -> None:
+            if hand:
+                hand.accumulate()
+
+        def on_before_optimizer_step(self, optimizer: Any) -> None:
+            if hand:
+                hand.move_grads()
+            if fused:  # no unscale_ before the step: in the first window nothing has met the optimizer yet
+                return
+            trained = [p for g in optimizer.param_groups for p in g["params"]]
+            assert all(p.dtype == torch.float32 for p in trained)  # the copies, or our masters
+            grads = [p.grad.float() for p in trained if p.grad is not None]
+            norms.append(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+
+        def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+            before = scaler.get_scale()
+            super().optimizer_step(*args, **kwargs)
+            if hand and scaler.get_scale() >= before:  # applied: torch's rule backs off on every skip
+                hand.copy_back()
+            scales.append(scaler.get_scale())
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            params = hand.params() if hand else list(self.parameters())
+            flags = {"fused": True} if fused else {"foreach": True}
+            return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01, **flags)
+
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=steps, accumulate_grad_batches=MICRO,
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)], gradient_clip_val=None if fused else 0.2,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )  # fmt: skip
+    trainer.fit(Module(), torch.utils.data.DataLoader(regression_batches(steps * MICRO), batch_size=None))
+    return {
+        "losses": losses,
+        "norms": norms,
+        "scales": scales,
+        "params": {k: v.clone() for k, v in net.state_dict().items()},
+        "grads": [p.grad for p in net.parameters()],
+    }
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach-clip", "fused"])
+def test_lightning_trainer_accumulate_grad_batches_equals_the_recipe_with_float32_accumulation(
+    tmp_path: Any, fused: bool
+) -> None:
+    reference = lightning_trainer_run(tmp_path / "hand", by_hand=True, fused=fused)
+    run = lightning_trainer_run(tmp_path / "ours", by_hand=False, fused=fused)
+    assert len(reference["losses"]) == 12 * MICRO and len(reference["scales"]) == 12
+    assert min(reference["scales"]) < EARLY_OVERFLOW["init_scale"]  # an overflow reached the float32 sums
+    assert any(s2 >= s1 for s1, s2 in itertools.pairwise(reference["scales"]))  # and steps were applied
+    initial = mlp(0).half().state_dict()
+    assert all(v.dtype == torch.float16 and not torch.equal(v, initial[k]) for k, v in reference["params"].items())
+    if not fused:  # the clip bites: some finite norm above the limit (taken after unscale_, before the clip)
+        assert any(n.isfinite() and n > 0.2 for n in reference["norms"]), reference["norms"]
+    assert all(grad is None for grad in run["grads"])
     assert_bit_identical(run, reference)
