@@ -534,10 +534,12 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         empty before the first ``unscale_``/``step`` of ``optimizer`` or without masters)."""
         return self._masters.masters(optimizer)
 
-    def register_ddp(self, ddp_model: torch.nn.parallel.DistributedDataParallel) -> None:
+    def register_ddp(self, ddp_model: torch.nn.Module) -> None:
         """With ``accumulate_grads_in_fp32=True`` under ``DistributedDataParallel``: average ``ddp_model``'s
         float32 gradient sums over its process group, in float32, at each move (docs/migration.md). Call
-        once after wrapping; ``ValueError`` without the argument, ``TypeError`` for a module not DDP."""
+        once after wrapping; ``ddp_model`` is the DDP module or a framework's wrapper holding exactly one
+        (what Accelerate's ``prepare`` and Lightning Fabric's ``setup`` return). ``ValueError`` without the
+        argument, ``TypeError`` for a module that neither is nor holds one DDP module."""
         self._masters.register_ddp(ddp_model)
 
     @compiled.eager

@@ -25,8 +25,10 @@ from typing import Any
 import torch
 
 NOT_DDP_MESSAGE = (
-    "scaler.register_ddp(module): module is a {kind}, not a torch.nn.parallel.DistributedDataParallel. "
-    "Pass the DDP-wrapped model (the object DistributedDataParallel(model) returned)."
+    "scaler.register_ddp(module): module is a {kind}, not a torch.nn.parallel.DistributedDataParallel, and "
+    "holds {count} among its submodules. Pass the DDP-wrapped model (the object DistributedDataParallel(model) "
+    "returned, or a framework's wrapper holding exactly one, such as what Lightning Fabric's setup() returns). "
+    "Nothing was registered."
 )
 
 NOT_ACCUMULATING_MESSAGE = (
@@ -46,10 +48,10 @@ class DataParallel:
         self._modules: list[tuple[weakref.ReferenceType[Any], Any, frozenset[int]]] = []
 
     def register(self, module: Any) -> list[torch.Tensor]:
-        """Take ``module``'s process group and the parameters DDP reduces (not ``parameters_to_ignore``);
-        returns those parameters."""
-        if not isinstance(module, torch.nn.parallel.DistributedDataParallel):
-            raise TypeError(NOT_DDP_MESSAGE.format(kind=type(module).__name__))
+        """Take the process group of ``module`` (a DDP module, or a wrapper holding exactly one among its
+        submodules: ``find_ddp``) and the parameters DDP reduces (not ``parameters_to_ignore``); returns
+        those parameters."""
+        module = find_ddp(module)
         ignored: set[str] = getattr(module, "parameters_to_ignore", set())
         params = [p for name, p in module.module.named_parameters() if p.requires_grad and name not in ignored]
         self._modules = [entry for entry in self._modules if entry[0]() not in (None, module)]
@@ -86,6 +88,19 @@ class DataParallel:
                 batches.setdefault((id(group), master.device), (group, []))[1].append(master)
         for group, masters in batches.values():
             _average(group, masters)
+
+
+def find_ddp(module: Any) -> torch.nn.parallel.DistributedDataParallel:
+    """``module`` if it is DDP, else the one DDP module among its submodules (a framework's wrapper around
+    the DDP-wrapped model: Lightning Fabric's ``_FabricModule`` holds it as ``_forward_module``);
+    ``TypeError`` (``NOT_DDP_MESSAGE``) otherwise."""
+    ddp = torch.nn.parallel.DistributedDataParallel
+    if isinstance(module, ddp):
+        return module
+    found = [m for m in module.modules() if isinstance(m, ddp)] if isinstance(module, torch.nn.Module) else []
+    if len(found) != 1:
+        raise TypeError(NOT_DDP_MESSAGE.format(kind=type(module).__name__, count=len(found) or "none"))
+    return found[0]
 
 
 def _average(group: Any, masters: list[torch.Tensor]) -> None:
