@@ -35,8 +35,21 @@ def test_the_section_reports_every_cell() -> None:
         "training": bench_accumulate.training_section(CPU, steps=2, micro=2),
         "memory": bench_accumulate.memory_section(CPU, micro=2, width=32, layers=1),
         "time": bench_accumulate.time_section(CPU, 1, micro=2, width=32, layers=1),
+        "ddp": {"world": 2, "micro_batches": 2, "exit_codes": [1, None], "failed": "no result from rank 0"},
     }
     lines = "\n".join(bench_accumulate.accumulation_lines(result))
     assert lines.count("| float16 (scale 1024) | 2 |") == 1 and lines.count("| bfloat16 | 2 |") == 1
     assert "| autograd (low precision) |" in lines and "| float32 |" in lines and "ratio" in lines
     assert len(result["training"]["float32_accumulation"]) == 2
+    assert "DDP, 2 gloo processes on the CPU, 2 micro-batches (no_sync but the last): FAILED, no result" in lines
+
+
+@pytest.mark.distributed
+def test_the_ddp_cell_times_both_systems_on_two_processes_and_the_ranks_agree() -> None:
+    cell = bench_accumulate.ddp_section(2, world=2, micro=2, width=32, layers=1)
+    assert "failed" not in cell, cell
+    assert cell["exit_codes"] == [0, 0] and cell["ranks_agree"] is True
+    assert cell["tensors"] == 2 + 12 + 2  # two embeddings, one block, the final norm (the head is tied)
+    assert all(value > 0 for key in ("masters_ms", "float32_ms", "ratio") for value in cell[key])
+    line = "\n".join(bench_accumulate.ddp_lines(cell))
+    assert "masters alone (DDP's bfloat16 all-reduce)" in line and "ranks agree on the weights" in line

@@ -16,11 +16,20 @@ Every number comes from the library's own path (``GradScaler(master_weights=True
   for today's masters and with the argument (AdamW).
 * ``time``: milliseconds per micro-batch (forward + backward) of a GPT-shaped bfloat16 model with many
   parameter tensors, autograd's accumulation against the hooks, run round-robin; the ratio per round.
+* ``ddp``: milliseconds per iteration (``no_sync()`` on all micro-batches but the last, then the step) of
+  the same model under DistributedDataParallel on 2 gloo processes (on the CPU, whatever the device):
+  masters alone (DDP all-reduces the bfloat16 gradients) against ``accumulate_grads_in_fp32=True`` with
+  ``scaler.register_ddp`` (the scaler all-reduces the float32 sums), round-robin in the same processes;
+  rank 0's times, the ratio per round, and whether the ranks ended with equal weights.
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import os
 import statistics
+import tempfile
 import time
 from typing import Any
 
@@ -86,7 +95,7 @@ def _tiny(dtype: torch.dtype, device: torch.device, width: int = 64, layers: int
     return model.to(device)
 
 
-def _loss(model: TinyGPT, tokens: torch.Tensor) -> torch.Tensor:
+def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     logits = model(tokens[:, :-1])
     return nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
 
@@ -207,13 +216,114 @@ def time_section(
     }
 
 
+DDP_WAIT_SECONDS = 600  # the whole cell; a rank still running then is killed and the cell says so
+
+
+def _ddp_rank(rank: int, world: int, store: str, shape: dict[str, int], results: Any) -> None:
+    """One rank of ``ddp_section``: both systems round-robin; rank 0 puts its times on ``results``."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
+    )
+    try:
+        micro, rounds = shape["micro"], shape["rounds"]
+        systems = []
+        for accumulate in (False, True):
+            model = nn.parallel.DistributedDataParallel(
+                _tiny(torch.bfloat16, torch.device("cpu"), width=shape["width"], layers=shape["layers"])
+            )
+            scaler = _scaler(torch.device("cpu"), accumulate, 1.0)
+            if accumulate:
+                scaler.register_ddp(model)
+            systems.append((model, torch.optim.AdamW(model.parameters(), lr=1e-4), scaler))
+        gen = torch.Generator().manual_seed(rank)
+        times: list[list[float]] = [[], []]
+        for round_ in range(rounds + 2):
+            tokens = torch.randint(256, (micro, 4, 33), generator=gen)
+            for index, (model, optimizer, scaler) in enumerate(systems):
+                dist.barrier()
+                begin = time.perf_counter()
+                for k in range(micro):
+                    with model.no_sync() if k < micro - 1 else contextlib.nullcontext():
+                        scaler.scale(_loss(model, tokens[k]) / micro).backward()
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
+                if round_ >= 2:  # two warm-up rounds
+                    times[index].append((time.perf_counter() - begin) * 1e3)
+        flat = torch.cat([p.detach().float().reshape(-1) for p in systems[1][0].parameters()])
+        gathered = [torch.empty_like(flat) for _ in range(world)]
+        dist.all_gather(gathered, flat)
+        if rank == 0:
+            params = list(systems[0][0].parameters())
+            results.put(
+                {
+                    "times": times,
+                    "tensors": len(params),
+                    "params": sum(p.numel() for p in params),
+                    "ranks_agree": all(torch.equal(g, gathered[0]) for g in gathered),
+                }
+            )
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def ddp_section(rounds: int, world: int = 2, micro: int = 4, width: int = 128, layers: int = 6) -> dict[str, Any]:
+    """The DDP cell: ``world`` gloo processes meeting through a file (no port), each timing both systems."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    shape = {"micro": micro, "rounds": rounds, "width": width, "layers": layers}
+    with tempfile.TemporaryDirectory() as folder:
+        store = os.path.join(folder, "store")
+        procs = [ctx.Process(target=_ddp_rank, args=(r, world, store, shape, results)) for r in range(world)]
+        for proc in procs:
+            proc.start()
+        deadline = time.monotonic() + DDP_WAIT_SECONDS
+        got: dict[str, Any] | None = None
+        try:
+            while got is None and time.monotonic() < deadline and any(p.is_alive() for p in procs):
+                with contextlib.suppress(Exception):
+                    got = results.get(timeout=0.5)
+            if got is None:
+                with contextlib.suppress(Exception):
+                    got = results.get(timeout=1.0)  # put just before the rank exited
+            for proc in procs:
+                proc.join(max(1.0, deadline - time.monotonic()) if got is not None else 1.0)
+        finally:
+            for proc in procs:
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join(10)
+    codes = [proc.exitcode for proc in procs]
+    cell: dict[str, Any] = {"world": world, "micro_batches": micro, "exit_codes": codes}
+    if got is None:
+        return {**cell, "failed": f"no result from rank 0 (exit codes {codes})"}
+    times = got["times"]
+    ratios = [b / a for a, b in zip(times[0], times[1], strict=True)]
+    return {
+        **cell,
+        "tensors": got["tensors"],
+        "params": got["params"],
+        "ranks_agree": got["ranks_agree"],
+        "masters_ms": spread(times[0]),
+        "float32_ms": spread(times[1]),
+        "ratio": spread(ratios),
+    }
+
+
 def accumulation_section(device: torch.device, steps: int, warmup: int) -> dict[str, Any]:
-    """Every cell of the four tables (``format``: ``accumulation_lines``)."""
+    """Every cell of the five tables (``format``: ``accumulation_lines``)."""
     return {
         "precision": precision_section(device, 1_000_000 if device.type == "cuda" else 2**18),
         "training": training_section(device),
         "memory": memory_section(device),
         "time": time_section(device, max(steps, 5)),
+        "ddp": ddp_section(max(steps, 5)),
     }
 
 
@@ -257,4 +367,20 @@ def accumulation_lines(r: dict[str, Any]) -> list[str]:
         f"accumulation {m['float32_ms'][0]:.2f} ms [{m['float32_ms'][1]:.2f}-{m['float32_ms'][2]:.2f}]; ratio "
         f"{m['ratio'][0]:.3f} [{m['ratio'][1]:.3f}-{m['ratio'][2]:.3f}].",
     ]
-    return lines
+    return lines + ddp_lines(r["ddp"])
+
+
+def ddp_lines(d: dict[str, Any]) -> list[str]:
+    """The DDP cell, reported whatever happened (a failed cell says so)."""
+    head = f"DDP, {d['world']} gloo processes on the CPU, {d['micro_batches']} micro-batches (no_sync but the last)"
+    if "failed" in d:
+        return ["", f"{head}: FAILED, {d['failed']}."]
+    return [
+        "",
+        f"{head}, bfloat16 GPT, {d['tensors']} tensors, {d['params'] / 1e6:.1f}M parameters, time per iteration "
+        f"on rank 0, median [IQR]: masters alone (DDP's bfloat16 all-reduce) {d['masters_ms'][0]:.1f} ms "
+        f"[{d['masters_ms'][1]:.1f}-{d['masters_ms'][2]:.1f}], float32 accumulation + register_ddp (float32 "
+        f"all-reduce of the sums) {d['float32_ms'][0]:.1f} ms [{d['float32_ms'][1]:.1f}-{d['float32_ms'][2]:.1f}]; "
+        f"ratio {d['ratio'][0]:.3f} [{d['ratio'][1]:.3f}-{d['ratio'][2]:.3f}]; ranks "
+        f"{'agree' if d['ranks_agree'] else 'DISAGREE'} on the weights.",
+    ]
