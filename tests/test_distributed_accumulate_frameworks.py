@@ -1,7 +1,8 @@
 """``accumulate_grads_in_fp32=True`` under a framework's DDP, 2 gloo ranks
 (``dist_accumulate_frameworks_worker``): Accelerate's ``accumulate()`` with the model ``prepare`` wrapped
 in DDP and one line, ``accelerator.scaler.register_ddp(model)``, and Lightning Fabric's
-``strategy="ddp"`` with ``scaler.register_ddp(model)`` on what ``fabric.setup`` returned: bit for bit the
+``strategy="ddp"`` with ``scaler.register_ddp(model)`` on what ``fabric.setup`` returned, and the Lightning
+Trainer's with ``scaler.register_ddp(self.trainer.strategy.model)`` in ``on_fit_start``: bit for bit the
 recipe by hand that all-reduces its float32 sums, every rank alike."""
 
 from __future__ import annotations
@@ -48,6 +49,24 @@ def test_framework_ddp_with_register_ddp_equals_the_recipe_that_all_reduces_floa
         assert all(not torch.equal(a, b) for a, b in zip(ours["params"][-1], recipe["initial"], strict=True))
     first, second = (rank[case]["ours"] for rank in ranks)
     assert same(first["params"], second["params"])  # the ranks agree on every weight
+
+
+def test_lightning_trainer_ddp_with_register_ddp_in_on_fit_start_equals_the_recipe(
+    ranks: list[dict[str, Any]],
+) -> None:
+    """``accumulate_grad_batches=4``, ``gradient_clip_val``, the AMP plugin with our scaler, a float16 network."""
+    for rank in ranks:
+        ours, recipe = rank["trainer"]["ours"], rank["trainer"]["recipe"]
+        assert len(ours["params"]) == worker.ITERATIONS
+        assert same(ours["params"], recipe["params"])
+        assert ours["scales"] == recipe["scales"]
+        assert ours["skipped"] == [i == worker.BAD_ITERATION for i in range(worker.ITERATIONS)]
+        assert_bit_identical(ours["norms"], recipe["norms"])  # taken after unscale_, before the clip
+        assert any(math.isfinite(n) and n > worker.MAX_NORM for n in ours["norms"]), ours["norms"]  # it bites
+        assert all(grad is None for grad in ours["grads_left"])
+        assert all(not torch.equal(a, b) for a, b in zip(ours["params"][-1], recipe["initial"], strict=True))
+    first, second = (rank["trainer"]["ours"] for rank in ranks)
+    assert same(first["params"], second["params"])
 
 
 def test_a_module_holding_two_ddp_modules_is_refused_registering_nothing(ranks: list[dict[str, Any]]) -> None:
