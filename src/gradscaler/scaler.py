@@ -535,11 +535,9 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         return self._masters.masters(optimizer)
 
     def register_ddp(self, ddp_model: torch.nn.Module) -> None:
-        """With ``accumulate_grads_in_fp32=True`` under ``DistributedDataParallel``: average ``ddp_model``'s
-        float32 gradient sums over its process group, in float32, at each move (docs/migration.md). Call
-        once after wrapping; ``ddp_model`` is the DDP module or a framework's wrapper holding exactly one
-        (what Accelerate's ``prepare`` and Lightning Fabric's ``setup`` return). ``ValueError`` without the
-        argument, ``TypeError`` for a module that neither is nor holds one DDP module."""
+        """With ``accumulate_grads_in_fp32=True`` under DDP: average the float32 gradient sums of ``ddp_model``
+        (the DDP module, or a framework's wrapper holding exactly one) over its process group at each move.
+        Once, after wrapping; the errors and the frameworks' lines: docs/migration.md."""
         self._masters.register_ddp(ddp_model)
 
     @compiled.eager
