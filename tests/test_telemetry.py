@@ -15,9 +15,11 @@ from gradscaler import GradScaler, JsonLinesLogger
 from gradscaler.record.telemetry import COUNTERS, IN_FLIGHT, SATURATE, make_telemetry
 
 
-def steps(scaler: GradScaler, flags: list[bool], fused: bool = False) -> tuple[torch.optim.Optimizer, list[bool]]:
+def steps(
+    scaler: GradScaler, flags: list[bool], fused: bool = False, model: nn.Module | None = None
+) -> tuple[torch.optim.Optimizer, list[bool]]:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    model = model or nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=fused)
     scaler.name_parameters(model)
     seen = []
@@ -100,9 +102,11 @@ def test_json_lines_logger(tmp_path) -> None:
 
 def test_overflow_attribution_by_name_and_by_position() -> None:
     scaler = GradScaler("cpu", init_scale=16.0)
-    opt, _ = steps(scaler, [True])  # the scaler holds optimizers weakly: keep it alive
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))  # a module named whole: named while it lives
+    opt, _ = steps(scaler, [True], model=model)  # the scaler holds optimizers weakly: keep it alive
     assert scaler.nonfinite_parameters() == ["1.bias"]
-    del opt
+    del opt, model
     anonymous = GradScaler("cpu", init_scale=16.0)
     model = nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -72,7 +72,7 @@ class Monitor:
     ``copy.deepcopy`` keeps them (see ``__getstate__`` and ``__deepcopy__``). Names and norms are
     keyed weakly by the parameter and the optimizer themselves: they keep nothing alive, and go with
     their key (a new object at a dead one's address inherits nothing). A module named whole is held
-    weakly and named when a report asks, holding no reference to its parameters (torch's
+    weakly and named when a report asks, while it lives, holding no reference to its parameters (torch's
     ``swap_tensors``, which ``model.float()`` calls under the swap-tensors future, refuses a weakly
     referenced parameter).
     """
