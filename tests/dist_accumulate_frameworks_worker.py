@@ -25,9 +25,9 @@ import os
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from dist_accumulate_worker import all_reduce_sums
 from gradscaler import GradScaler
 from recipe import Fp32Copies
 
@@ -120,17 +120,6 @@ def accelerate_ours(rank: int, world: int, kind: str, ddp_kwargs: dict[str, Any]
         "skipped": skipped,
         "grads_left": [p.grad for p in net.parameters()],
     }
-
-
-def all_reduce_sums(copies: list[torch.Tensor], world: int) -> None:
-    """The recipe's reduction: every copy's float32 sum flattened, one SUM, divided by the world size."""
-    flat = torch.cat([c.grad.reshape(-1) for c in copies])  # type: ignore[union-attr]
-    dist.all_reduce(flat)
-    flat.div_(world)
-    offset = 0
-    for c in copies:
-        c.grad = flat[offset : offset + c.numel()].view(c.shape).clone()
-        offset += c.numel()
 
 
 def accelerate_recipe(rank: int, world: int, kind: str, ddp_kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -138,6 +138,17 @@ def trained_ours(rank: int, kind: str, micros: int, no_sync: bool, bucket_view: 
     return {"params": params, "scales": scales, "skipped": skipped, "grads_left": grads_left, "norms": norms}
 
 
+def all_reduce_sums(copies: list[torch.Tensor], world: int) -> None:
+    """The recipe's reduction: every copy's float32 sum flattened, one SUM, divided by the world size."""
+    flat = torch.cat([c.grad.reshape(-1) for c in copies])  # type: ignore[union-attr]
+    dist.all_reduce(flat)
+    flat.div_(world)
+    offset = 0
+    for c in copies:
+        c.grad = flat[offset : offset + c.numel()].view(c.shape).clone()
+        offset += c.numel()
+
+
 def trained_recipe(rank: int, world: int, kind: str, micros: int, clip: bool) -> dict[str, Any]:
     net = make_net()
     lows = list(net.parameters())
@@ -152,13 +163,7 @@ def trained_recipe(rank: int, world: int, kind: str, micros: int, clip: bool) ->
                 g = p.grad.float()  # type: ignore[union-attr]
                 c.grad = g if micro == 0 else c.grad + g
                 p.grad = None
-        flat = torch.cat([c.grad.reshape(-1) for c in copies])  # type: ignore[union-attr]
-        dist.all_reduce(flat)
-        flat.div_(world)
-        offset = 0
-        for c in copies:
-            c.grad = flat[offset : offset + c.numel()].view(c.shape).clone()
-            offset += c.numel()
+        all_reduce_sums(copies, world)
         if clip:
             s.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(copies, MAX_NORM)
