@@ -22,8 +22,10 @@ Rules: ``backward`` (a batch, with or without the ``block`` layer, i.e. a parame
 without an inf or NaN injected into one layer's gradient), ``unscale_``, ``scaler.clip_grad_norm_``, torch's
 ``clip_grad_norm_`` over ``model.parameters()``, ``step``, ``update``, ``zero_grad`` from the optimizer or the model
 with ``set_to_none`` both ways, freezing and unfreezing a layer, switching one layer or all of them to float16,
-bfloat16 or float32 with torch's swap-tensors future on or off, ``add_param_group`` in torch's forms (a list, a
-generator, one tensor per group) and one holding a parameter the optimizer has (refused as torch refuses it),
+bfloat16 or float32 with torch's swap-tensors future on or off, a round trip through another dtype and back
+(a bfloat16 evaluation: ``model.bfloat16()``, ``model.half()``, with nothing or a skipped step between),
+``add_param_group`` in torch's forms (a list, a generator, one tensor per group) and one holding a parameter the
+optimizer has (refused as torch refuses it),
 ``save`` to bytes (between iterations, or in the middle of an accumulation, whose partial sum no checkpoint holds on
 either side), loads into fresh objects (the model's checkpoint first, the optimizer's first, each after an
 iteration that bound the fresh optimizer) or into the bound objects, each optionally followed at once by a save,
@@ -635,6 +637,26 @@ class MastersMachine(RuleBasedStateMachine):
         self.both("convert", layers, dtype, swap)
         for name in layers:
             self.config.dtypes[name] = dtype
+
+    @precondition(lambda self: self.phase != "moved" and not self.extra_waiting() and not self.loaded_waiting())
+    @rule(
+        layers=st.sampled_from([("block",), LOW_LAYERS]),
+        via=st.sampled_from(DTYPES),
+        skipped=st.booleans(),
+        swap=st.booleans(),
+    )
+    def round_trip(self, layers: tuple[str, ...], via: torch.dtype, skipped: bool, swap: bool) -> None:
+        """An evaluation in another dtype and back, as a loop writes it (``model.bfloat16()``, evaluate,
+        ``model.half()``): ``layers`` cast to ``via`` and back to the dtypes they had, with nothing between or
+        (``skipped``, between iterations) an iteration whose step is skipped (an inf in ``head``'s gradient).
+        The parameters then hold their values rounded through ``via``, which the next move must keep as
+        roundings of the masters (issue 35's defect 6), as the recipe keeps its copies."""
+        before = {name: self.config.dtypes[name] for name in layers}
+        self.convert(layers, via, swap)
+        if skipped and self.phase == "idle":
+            self.iteration(clip="", inject="inf", use_block=True)
+        for name, dtype in before.items():
+            self.convert((name,), dtype, swap)
 
     def loaded_waiting(self) -> bool:
         """Whether a loaded checkpoint's masters wait in ours' groups for parameters without one yet: a layer
