@@ -1,12 +1,12 @@
 """The master weights' state machine (tests/masters_machine.py) with a fixed seed and CI's budget.
 
 ``derandomize=True``: the same 300 sequences of up to 50 rules every run, each rule on both sides and followed by
-the invariant: 25.7 s in pytest, 28 s wall and 28 s of CPU for this file on this 2-core machine at a load of 1.6.
-With issue 35's six fixes each reverted in turn, this budget finds every one (docs/architecture.md); 60 sequences
-found three. On one torch thread (set for this test, restored after): the machine's tensors are tiny, and on a
-loaded machine two threads spend their time waiting for each other at every operation (the same 60 sequences at a
-load of 3.5: 5.3 s of CPU with one thread, 82 to 120 s with two). A run that finds a defect takes longer, shrinking
-it. ``python tests/masters_soak.py --examples N --seed S`` runs more.
+the invariant: 38.9 s in pytest, 42 s wall and 42 s of CPU for this file on this 2-core machine at a load of 1.0.
+With issue 35's six fixes each reverted in turn, this budget finds five (docs/architecture.md: all but fix 5);
+60 sequences found three. On one torch thread (set for this test, restored after): the machine's tensors are
+tiny, and on a loaded machine two threads spend their time waiting for each other at every operation (the same 60
+sequences at a load of 3.5: 5.3 s of CPU with one thread, 82 to 120 s with two). A run that finds a defect takes
+longer, shrinking it. ``python tests/masters_soak.py --examples N --seed S`` runs more.
 """
 
 from __future__ import annotations
