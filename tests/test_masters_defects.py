@@ -7,10 +7,12 @@ round trip with no applied step between, and a float32 SGD run's checkpoint resu
 
 from __future__ import annotations
 
+import ctypes
 import io
 from collections.abc import Callable
 from typing import Any
 
+import numpy
 import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
@@ -276,6 +278,42 @@ def test_a_bfloat16_round_trip_without_an_applied_step_keeps_the_masters(between
     convert((ours, reference), torch.float16)
     assert_same_masters(ours, reference)
     assert_same_trace(iterate(ours, range(4, 7), trace), iterate(reference, range(4, 7), expected))
+    assert_same_state(ours.optimizer, reference.optimizer)
+
+
+def test_a_round_trip_whose_new_storage_lands_at_the_old_address_keeps_the_masters() -> None:
+    """Found by the state machine (issue 35m): a round trip ``block.bfloat16()``, ``block.half()`` whose new
+    float16 storage the allocator placed at the address of the one the parameter had (it was freed by the
+    first cast) looked like a write in place, and the masters were reset to the round trip's values (222 of
+    256 elements, by up to 4.9e-4). The reuse is the allocator's choice; here the new storage is placed at
+    that address by hand (a tensor over the same memory), which the allocator may do at any time."""
+    ours, reference = ours_with(), recipe_with()
+    trace, expected = iterate(ours, range(3), new_trace()), iterate(reference, range(3), new_trace())
+    reference.model.block.bfloat16()
+    reference.model.block.half()
+    layer = ours.model.block
+    first = layer.weight.detach()  # the storage the parameter had: its memory stays valid for the new tensor
+    memory = ctypes.cast(first.data_ptr(), ctypes.POINTER(ctypes.c_uint16))
+    landed = torch.from_numpy(numpy.ctypeslib.as_array(memory, shape=(first.numel(),))).view(torch.float16)
+
+    def half(t: torch.Tensor) -> torch.Tensor:  # ``block.half()``, the weight's new storage at the old address
+        if t.shape != first.shape:
+            return t.half()
+        landed.copy_(t.half().reshape(-1))
+        return landed.view(first.shape)
+
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)  # the parameter takes the new tensor's version too
+    try:
+        layer.bfloat16()
+        layer._apply(half)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
+    weight = layer.weight
+    assert weight.dtype == torch.float16 and weight.data_ptr() == first.data_ptr()
+    assert weight.untyped_storage()._cdata != first.untyped_storage()._cdata
+    assert_same_trace(iterate(ours, range(4, 7), trace), iterate(reference, range(4, 7), expected))
+    assert_same_masters(ours, reference)
     assert_same_state(ours.optimizer, reference.optimizer)
 
 

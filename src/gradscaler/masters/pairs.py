@@ -30,6 +30,7 @@ class Pair:
     master: torch.Tensor
     low_version: int = -1
     low_storage: int | None = None
+    held: Any = None  # the storage the parameter had when last seen, held: no new storage can take its address
     low_dtype: torch.dtype | None = None  # the parameter's dtype when it last equalled its master rounded
     pending: torch.Tensor | None = None  # a master value loaded from a checkpoint, checked at the next move
     kept: torch.Tensor | None = None  # the parameter's gradient after the user's ``unscale_``, until ``step``
@@ -40,9 +41,16 @@ class Pair:
         return self.low._version != self.low_version or _storage(self.low) != self.low_storage
 
     def seen(self) -> None:
-        """Note the parameter's version and storage: it now equals its master rounded."""
+        """Note the parameter's version and storage: it now equals its master rounded. The storage itself is
+        held, so that a storage made later (a change of dtype and back: ``model.bfloat16()``, ``model.half()``)
+        never gets its address, which ``written`` compares."""
         self.low_version = self.low._version
-        self.low_storage = _storage(self.low)
+        storage = _storage(self.low)
+        if storage is None:
+            self.held = None
+        elif storage != self.low_storage or self.held is None:
+            self.held = self.low.untyped_storage()
+        self.low_storage = storage
         self.low_dtype = self.low.dtype
 
     def refresh(self) -> None:
@@ -64,9 +72,16 @@ class Pair:
         master rounded to its dtype now, directly or through the changes of dtype a loop makes between two
         moves (``checkpoint.rounds_to``)."""
         low = self.low.detach()
-        if _storage(self.low) == self.low_storage and low.dtype == self.low_dtype:
+        if self._same_storage() and low.dtype == self.low_dtype:
             return self.master.to(low.dtype) == low
         return checkpoint.rounds_to(self.master, low)
+
+    def _same_storage(self) -> bool:
+        """Whether the parameter's values are in the storage it had when last seen (the storage itself, not
+        one at the same address)."""
+        if self.held is None:
+            return _storage(self.low) == self.low_storage
+        return bool(self.low.untyped_storage()._cdata == self.held._cdata)
 
     def load(self, value: torch.Tensor) -> None:
         """A master value from a checkpoint loaded into the optimizer: taken now if it rounds to the
