@@ -618,3 +618,57 @@ def test_a_tensor_subclass_parameter_swapped_with_the_future_off_is_hooked_again
             assert model[0].weight.grad is None  # in the float32 sum, not accumulated by autograd
         scaler.step(optimizer)
         scaler.update()
+
+
+def test_a_swap_with_the_future_on_around_the_conversion_only_is_refused_at_the_step_naming_the_fix() -> None:
+    """The scaler hooks swapped parameters again at ``scale()`` while the future is on; turned on around
+    ``model.to()`` only, the swapped parameters' hooks are dead at the next backward."""
+    ours, _ = pair("adamw_foreach")
+    run(ours, range(2), 2, new_trace())
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        ours.model.head.to(torch.float32).to(torch.float16)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(False)
+    ours.zero_grad("optimizer", True)
+    for micro in range(2):
+        ours.backward(micro_loss(ours, 2, micro, 2))
+    before = [p.detach().clone() for p in ours.model.parameters()]
+    with pytest.raises(ValueError, match=r"was swapped .*set_swap_module_params_on_conversion\(True\) before training"):
+        ours.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, ours.model.parameters(), strict=True))
+    run(ours, range(3, 5), 2, new_trace())  # hooked again: the next iterations sum in float32
+    assert ours.model.head.weight.grad is None
+
+
+def test_a_resume_with_a_trained_block_frozen_binds_it_and_sums_it_once_unfrozen() -> None:
+    """A frozen parameter the resumed optimizer holds state for gets a master at the binding; torch refuses
+    a hook on it (it raised "cannot register a hook on a tensor that doesn't require gradient" at the first
+    step). It is hooked at the first ``scale()`` after it is unfrozen, and sums in float32 from then on."""
+    ours, reference = pair("adamw_foreach")
+    trace, expected = run(ours, range(2), 2, new_trace()), run(reference, range(2), 2, new_trace())
+    again = resumed(save(ours), "adamw_foreach")
+    for system in (again, reference):
+        system.model.head.requires_grad_(False)
+    assert_same_trace(run(again, range(2, 4), 2, trace), run(reference, range(2, 4), 2, expected))
+    for system in (again, reference):
+        system.model.head.requires_grad_(True)
+    assert_same_trace(run(again, range(4, 7), 2, trace), run(reference, range(4, 7), 2, expected))
+    assert again.model.head.weight.grad is None  # summed in float32, not by autograd
+    assert_same_state(again.optimizer, reference.optimizer)
+
+
+def test_a_bound_optimizers_zero_grad_clears_the_sum_of_a_group_added_since_its_last_move() -> None:
+    """The sum of a group added to a bound optimizer is held by its hook until the next move; the
+    optimizer's ``zero_grad`` (ours, installed at the binding) clears it as the recipe's clears its copy's."""
+    for set_to_none in (True, False):
+        ours, reference = pair("adamw_foreach")
+        trace, expected = run(ours, range(2), 2, new_trace()), run(reference, range(2), 2, new_trace())
+        for system in (ours, reference):
+            add_extra(system, 2)
+            system.backward(micro_loss(system, 2, 0, 2))  # a batch the loop then drops
+            system.zero_grad("optimizer", set_to_none)
+        held = ours.scaler._masters._sums.sum_of(ours.model.extra.weight)
+        assert held is not None and (held.total is None if set_to_none else not held.total.any())
+        assert_same_trace(run(ours, range(3, 6), 2, trace), run(reference, range(3, 6), 2, expected))
+        assert_same_state(ours.optimizer, reference.optimizer)

@@ -91,6 +91,15 @@ DDP_MESSAGE_TAIL = (
     "float32 sums across DDP's ranks itself at the move."
 )
 
+SWAPPED_MESSAGE = (
+    "accumulate_grads_in_fp32=True: {name} was swapped (torch.utils.swap_tensors: a dtype or device change "
+    "under torch's swap-tensors future, or of a tensor-subclass parameter) after the scaler hooked it, and "
+    "the future was off at the next scaler.scale(loss), where the scaler hooks swapped parameters again: its "
+    "micro-batches were summed by autograd in {dtype}. Turn the future on for the whole run "
+    "(torch.__future__.set_swap_module_params_on_conversion(True) before training), not around the "
+    "conversion only. Nothing was stepped; the parameter is hooked again for the next backward."
+)
+
 LATER_HOOK_MESSAGE = (
     "accumulate_grads_in_fp32=True: {name} has a post-accumulate-grad hook registered after the scaler's "
     "own, which moves each backward's gradient into the float32 sum and sets p.grad = None: that hook "
@@ -232,6 +241,9 @@ class Accumulation:
         self._watched = WeakIdKeyDictionary()
         self.watching = True  # hooks from the scaled graphs, until the first update()
         self.subclassed = False  # a tensor subclass is hooked: nn.Module._apply swaps it, future on or off
+        # bound pairs whose parameter was frozen at the binding (torch refuses a hook on a tensor that does
+        # not require grad), weakly by id: hooked at the first scale() after they are unfrozen
+        self._frozen: dict[int, weakref.ReferenceType[Any]] = {}
         self.ddp = DataParallel()  # the parameters of registered DDP modules: their sums averaged at the move
 
     def watch(self, output: Any, bound: Callable[[], list[torch.Tensor]]) -> Any:
@@ -244,6 +256,8 @@ class Accumulation:
                 self.hook(param)
         if self.subclassed or torch.__future__.get_swap_module_params_on_conversion():
             self.revive(bound())
+        if self._frozen:
+            self.thaw()
         return output
 
     def sum_of(self, param: torch.Tensor) -> Sum | None:
@@ -251,8 +265,9 @@ class Accumulation:
         found = self._sums.get(id(param))
         return found if found is not None and found.handle is not None else None
 
-    def hook(self, param: torch.Tensor) -> Sum:
-        """``param``'s ``Sum``, hooked on first sight; a gradient it holds already (accumulated by autograd
+    def hook(self, param: torch.Tensor, watched: bool = True) -> Sum:
+        """``param``'s ``Sum``, hooked on first sight (``watched``: met in a scaled graph, given back at
+        the first ``update()`` unless bound by then); a gradient it holds already (accumulated by autograd
         before the scaler met it) becomes the start of the sum."""
         found = self.sum_of(param)
         if found is not None:
@@ -263,7 +278,7 @@ class Accumulation:
         found.handle = param.register_post_accumulate_grad_hook(found)
         self._sums[id(param)] = found
         self.subclassed = self.subclassed or type(param) not in (torch.Tensor, torch.nn.Parameter)
-        if self.watching:
+        if self.watching and watched:
             self._watched[param] = True
         if param.grad is not None and param.grad.layout is torch.strided and not param.grad.requires_grad:
             found(param)
@@ -277,12 +292,35 @@ class Accumulation:
             if found is not None and found.impl != param._cdata:
                 found.rehook(param)
 
+    @compiled.eager  # only while a bound parameter is frozen
+    def thaw(self) -> None:
+        """Hook each bound parameter that was frozen at its binding and requires grad now."""
+        for key, ref in list(self._frozen.items()):
+            pair = ref()
+            if pair is None:
+                del self._frozen[key]
+            elif pair.low.requires_grad:
+                del self._frozen[key]
+                self.hook(pair.low, watched=False).master = weakref.ref(pair.master)
+
+    def clear_held(self, params: list[torch.Tensor], set_to_none: bool) -> None:
+        """A bound optimizer's ``zero_grad``: the sums its hooks still hold (a group added since its last
+        move) cleared as the optimizer clears gradients: None, or zeros that the next gradient adds to."""
+        for param in params:
+            found = self.sum_of(param)
+            if found is None or found.total is None:
+                continue
+            if set_to_none:
+                found.total, found.fresh = None, True
+            else:
+                found.total.zero_()
+
     def added(self, params: list[torch.Tensor]) -> None:
         """A bound optimizer's ``add_param_group``: its new low-precision parameters are hooked now, before
         their first backward."""
         for param in params:
             if isinstance(param, torch.Tensor) and param.dtype in LOW_PRECISION and param.requires_grad:
-                self.hook(param)
+                self.hook(param, watched=False)  # the optimizer's: bound at its next move
 
     def refuse_sharded(self, params: list[torch.Tensor]) -> None:
         """Before a binding: ``ValueError`` (``FSDP2_MESSAGE``) if a low-precision parameter among
@@ -305,6 +343,9 @@ class Accumulation:
         its first iteration come with gradients autograd has summed."""
         late = 0
         for pair in binding.pairs:
+            if not pair.low.requires_grad and self.sum_of(pair.low) is None:
+                self._frozen[id(pair)] = weakref.ref(pair)
+                continue
             late += not self.watching and pair.low.grad is not None and self.sum_of(pair.low) is None
             found = self.hook(pair.low)
             self._watched.pop(pair.low, None)  # the binding holds it now
@@ -322,6 +363,10 @@ class Accumulation:
             self.ddp.drop_reduced(binding.lows())
         for number, pair in enumerate(binding.pairs):
             if pair.low.grad is not None:
+                found = self.sum_of(pair.low)
+                if found is not None and found.impl != pair.low._cdata:
+                    self.revive(binding.lows())
+                    raise ValueError(SWAPPED_MESSAGE.format(name=name(pair, number), dtype=pair.low.dtype))
                 ddp = torch.distributed.is_available() and torch.distributed.is_initialized()
                 raise ValueError(WRITTEN_MESSAGE.format(name=name(pair, number)) + (DDP_MESSAGE_TAIL if ddp else ""))
             if before_step:

@@ -400,13 +400,23 @@ class MasterWeights:
             save = checkpoint.save_hook(binding.saved_value)
             load = checkpoint.load_hook(binding.restore, functools.partial(_end, binding))
             binding.hooks = checkpoint.install_hooks(optimizer, save, load)
-            optimizer.zero_grad = ZeroGradBoth(optimizer, binding.lows, binding.zeroed_kept)  # type: ignore[method-assign]
+            zeroed = functools.partial(self._zeroed, binding, weakref.ref(optimizer))
+            optimizer.zero_grad = ZeroGradBoth(optimizer, binding.lows, zeroed)  # type: ignore[method-assign]
             added = None if self._sums is None else self._sums.added
             optimizer.add_param_group = AddParamGroupChecked(optimizer, binding.lows, added)  # type: ignore[method-assign]
             self._bindings[optimizer] = binding
         if self._sums is not None:
             self._sums.bind(binding, type(optimizer).__name__)
         return binding
+
+    def _zeroed(self, binding: Binding, ref: weakref.ReferenceType[torch.optim.Optimizer], set_to_none: bool) -> None:
+        """After a bound optimizer's ``zero_grad``: zeros in place are no write to the kept float16 gradients,
+        and the sums hooks still hold for its parameters (a group added since its last move) are cleared."""
+        if not set_to_none:
+            binding.zeroed_kept()
+        optimizer = ref()
+        if self._sums is not None and optimizer is not None:
+            self._sums.clear_held(list(grads.iter_params(optimizer)), set_to_none)
 
     def _bind_param(
         self, optimizer: torch.optim.Optimizer, binding: Binding, group: dict[str, Any], index: int, saved: Any

@@ -132,11 +132,11 @@ class ZeroGradBoth:
         self,
         optimizer: torch.optim.Optimizer,
         lows: Callable[[], Iterable[torch.Tensor]],
-        zeroed: Callable[[], None] | None = None,
+        zeroed: Callable[[bool], None] | None = None,
     ) -> None:
         self._optimizer = weakref.ref(optimizer)
         self._lows = lows
-        self._zeroed = zeroed  # told after zeroing in place (the kept gradients after ``unscale_`` too)
+        self._zeroed = zeroed  # told after zeroing, with set_to_none (the kept gradients, the held sums)
 
     @compiled.eager  # torch's zero_grad, which it calls, is one Dynamo skips too
     def __call__(self, set_to_none: bool = True) -> None:
@@ -156,8 +156,8 @@ class ZeroGradBoth:
             else:
                 grad.requires_grad_(False)
             grad.zero_()
-        if not set_to_none and self._zeroed is not None:
-            self._zeroed()
+        if self._zeroed is not None:
+            self._zeroed(set_to_none)
 
 
 class AddParamGroupChecked:
