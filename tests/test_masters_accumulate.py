@@ -672,3 +672,14 @@ def test_a_bound_optimizers_zero_grad_clears_the_sum_of_a_group_added_since_its_
         assert held is not None and (held.total is None if set_to_none else not held.total.any())
         assert_same_trace(run(ours, range(3, 6), 2, trace), run(reference, range(3, 6), 2, expected))
         assert_same_state(ours.optimizer, reference.optimizer)
+
+
+def test_an_update_torch_refuses_before_any_step_changes_nothing() -> None:
+    """``update()`` before any ``unscale_``/``step`` raises torch's "No inf checks were recorded"; the
+    first iteration's sums stay where they are (they were handed back in float16 first)."""
+    ours, _ = pair("adamw_foreach")
+    ours.backward(micro_loss(ours, 0, 0, 1))
+    with pytest.raises(AssertionError, match="No inf checks were recorded"):
+        ours.scaler.update()
+    assert all(p.grad is None for p in ours.model.parameters() if p.requires_grad and p.dtype == torch.float16)
+    assert ours.scaler._masters._sums.watching

@@ -239,7 +239,8 @@ class Accumulation:
         # hooked from the scaled graphs and not bound yet, weakly (a model thrown away in the first
         # iteration goes): they are given back at the first update() unless bound by then
         self._watched = WeakIdKeyDictionary()
-        self.watching = True  # hooks from the scaled graphs, until the first update()
+        self.watching = True  # hooks from the scaled graphs, until the first update() after a contact
+        self.contacted = False  # an optimizer met the scaler (unscale_/step), bound or not
         self.subclassed = False  # a tensor subclass is hooked: nn.Module._apply swaps it, future on or off
         # bound pairs whose parameter was frozen at the binding (torch refuses a hook on a tensor that does
         # not require grad), weakly by id: hooked at the first scale() after they are unfrozen
@@ -391,9 +392,10 @@ class Accumulation:
             self.ddp.reduce([(pair.low, pair.master) for pair in binding.pairs])
 
     def end_iteration(self, bound: set[int]) -> None:
-        """At the first ``update()``: stop hooking from the scaled graphs and give the parameters no
-        optimizer of the scaler binds (``bound``: their ids) back to autograd, their sum in ``.grad``."""
-        if not self.watching:
+        """At the first ``update()`` after an optimizer met the scaler (an ``update()`` before any, which
+        torch's rule refuses, changes nothing): stop hooking from the scaled graphs and give the parameters
+        no optimizer of the scaler binds (``bound``: their ids) back to autograd, their sum in ``.grad``."""
+        if not self.watching or not (bound or self.contacted):
             return
         self.watching = False
         for param in list(self._watched.keys()):

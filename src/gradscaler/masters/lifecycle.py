@@ -237,6 +237,8 @@ class MasterWeights:
         caller's pass over the optimizer's float32 gradients (``Moved.owners`` empty). Returns
         ``NOTHING`` when this iteration's gradients were moved already."""
         checkpoint.guard_dcp()
+        if self._sums is not None:
+            self._sums.contacted = True
         binding = self._bind(optimizer)
         if binding.moved or not binding.pairs:
             return NOTHING
