@@ -189,6 +189,11 @@ class Sum:
         self.handle = param.register_post_accumulate_grad_hook(self)
         self.impl = param._cdata
 
+    def follow(self, param: torch.Tensor) -> None:
+        """Hook ``param`` again if torch's ``swap_tensors`` gave it a new tensor since it was hooked."""
+        if self.impl != param._cdata:
+            self.rehook(param)
+
     def release(self, param: torch.Tensor) -> None:
         """Remove the hook; the parameter's gradient, if any, goes back into its ``.grad`` in its dtype."""
         if self.handle is not None:
@@ -272,8 +277,7 @@ class Accumulation:
         before the scaler met it) becomes the start of the sum."""
         found = self.sum_of(param)
         if found is not None:
-            if found.impl != param._cdata:
-                found.rehook(param)
+            found.follow(param)
             return found
         found = Sum(param, self)
         found.handle = param.register_post_accumulate_grad_hook(found)
@@ -290,8 +294,8 @@ class Accumulation:
         """Hook again each of ``params`` whose tensor torch's ``swap_tensors`` replaced since it was hooked."""
         for param in params:
             found = self.sum_of(param)
-            if found is not None and found.impl != param._cdata:
-                found.rehook(param)
+            if found is not None:
+                found.follow(param)
 
     @compiled.eager  # only while a bound parameter is frozen
     def thaw(self) -> None:
