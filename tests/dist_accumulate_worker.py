@@ -149,6 +149,13 @@ def all_reduce_sums(copies: list[torch.Tensor], world: int) -> None:
         offset += c.numel()
 
 
+def copy_back(lows: list[torch.Tensor], copies: list[torch.Tensor]) -> None:
+    """The recipe's copy back after a step: each float32 copy rounded into its parameter."""
+    with torch.no_grad():
+        for p, c in zip(lows, copies, strict=True):
+            p.copy_(c)
+
+
 def trained_recipe(rank: int, world: int, kind: str, micros: int, clip: bool) -> dict[str, Any]:
     net = make_net()
     lows = list(net.parameters())
@@ -169,9 +176,7 @@ def trained_recipe(rank: int, world: int, kind: str, micros: int, clip: bool) ->
             torch.nn.utils.clip_grad_norm_(copies, MAX_NORM)
         s.step(optimizer)
         if not s._found_inf_per_device(optimizer)[torch.device("cpu")].item():
-            with torch.no_grad():
-                for p, c in zip(lows, copies, strict=True):
-                    p.copy_(c)
+            copy_back(lows, copies)
         s.update()
         optimizer.zero_grad()
         params.append([p.detach().clone() for p in lows])
@@ -248,9 +253,7 @@ def experts_recipe(rank: int, world: int) -> dict[str, Any]:
             c.grad = flat[offset : offset + c.numel()].view(c.shape).clone() if seen else None
             offset += c.numel()
         s.step(optimizer)
-        with torch.no_grad():
-            for p, c in zip(lows, copies, strict=True):
-                p.copy_(c)
+        copy_back(lows, copies)
         s.update()
         optimizer.zero_grad()
         params.append([p.detach().clone() for p in lows])
