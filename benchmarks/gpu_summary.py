@@ -37,7 +37,9 @@ def section(path: Path, start: str, stop: str) -> list[str]:
 def main(out: Path) -> int:
     steps = [line.split("\t") for line in (out / "steps.tsv").read_text().splitlines() if line]
     problems = [
-        f"step `{name}` exited with {rc}" + (" (timed out)" if rc == "124" else "")
+        f"step `{name}` was not run: GPU_CHECK_BUDGET_S was spent"
+        if rc == "not-run"
+        else f"step `{name}` exited with {rc}" + (" (timed out)" if rc == "124" else "")
         for name, rc, _ in steps
         if rc != "0"
     ]

@@ -71,19 +71,22 @@ def test_summary_of_a_clean_run(tmp_path: Path) -> None:
     assert "| adamw | eager |" in text and "numbers written" not in text
 
 
-@pytest.mark.parametrize("problem", ["a_step_failed", "a_step_timed_out", "a_cuda_test_skipped"])
+@pytest.mark.parametrize("problem", ["a_step_failed", "a_step_timed_out", "a_step_not_run", "a_cuda_test_skipped"])
 def test_summary_fails_the_run(tmp_path: Path, problem: str) -> None:
     steps = list(STEPS)
     if problem == "a_step_failed":
         steps[2] = ("bench", 1)
     if problem == "a_step_timed_out":
         steps[5] = ("demo", 124)
+    if problem == "a_step_not_run":
+        steps[4] = ("accumulation", "not-run")  # type: ignore[assignment]
     out = folder(tmp_path, steps, cuda_skipped=2 if problem == "a_cuda_test_skipped" else 0)
     assert gpu_summary.main(out) == 1
     text = (out / "summary.md").read_text()
     expected = {
         "a_step_failed": "FAILED: step `bench` exited with 1",
         "a_step_timed_out": "FAILED: step `demo` exited with 124 (timed out)",
+        "a_step_not_run": "FAILED: step `accumulation` was not run: GPU_CHECK_BUDGET_S was spent",
         "a_cuda_test_skipped": "FAILED: 2 of 40 CUDA-marked tests did not run",
     }[problem]
     assert expected in text
