@@ -8,6 +8,7 @@
 #   GPU_CHECK_FULL=1  also the Triton CHUNK/BLOCK sweep and the bench matrix (several more minutes)
 #   GPU_CHECK_BUDGET_S  seconds for all steps together (a lent machine's time is short): each step's
 #                 limit is cut to what is left, and a step with under 20 s left is recorded as not run
+#   GPU_CHECK_STEPS  the steps to run, by name ("cuda-tests accumulation": a rerun of the failed ones)
 #
 # Steps (each one's output in OUT_DIR/<step>.log, exit codes and seconds in OUT_DIR/steps.tsv):
 #   cuda-tests    every test marked cuda, which must run, not skip (GRADSCALER_REQUIRE_CUDA=1):
@@ -39,6 +40,7 @@ budget_end=$((SECONDS + ${GPU_CHECK_BUDGET_S:-100000}))
 step() {  # step NAME TIMEOUT_S COMMAND...: run it, log it, record its exit code and duration
     local name=$1 limit=$2
     shift 2
+    case " ${GPU_CHECK_STEPS:-$name} " in *" $name "*) ;; *) return ;; esac
     local start=$SECONDS left=$((budget_end - SECONDS))
     if [ "$left" -lt 20 ]; then
         echo "== $name: not run, GPU_CHECK_BUDGET_S spent"

@@ -34,6 +34,7 @@ pytestmark = pytest.mark.cuda
 
 MICRO = 4
 OVERFLOW = (3, 1)  # (iteration, micro-batch) whose loss is inf
+SCALER = {**SCALER_ARGS, "init_scale": 2.0**14}  # float16 steps are applied from the first iteration on
 
 
 def cuda_net(dtype: torch.dtype) -> Net:
@@ -64,9 +65,9 @@ def iterate(system: System, steps: range, trace: dict[str, list[Any]]) -> dict[s
 
 def systems(name: str, dtype: torch.dtype, accumulate: bool) -> tuple[Ours, Recipe]:
     make = OPTIMIZERS[name]
-    ours = GradScaler("cuda", master_weights=True, accumulate_grads_in_fp32=accumulate, **SCALER_ARGS)
+    ours = GradScaler("cuda", master_weights=True, accumulate_grads_in_fp32=accumulate, **SCALER)
     recipe = Fp32Recipe if accumulate else Recipe
-    reference = recipe(cuda_net(dtype), make, torch.amp.GradScaler("cuda", **SCALER_ARGS))
+    reference = recipe(cuda_net(dtype), make, torch.amp.GradScaler("cuda", **SCALER))
     return Ours(cuda_net(dtype), make, ours), reference
 
 
@@ -77,7 +78,8 @@ def test_masters_equal_the_recipe_on_cuda(name: str, dtype: torch.dtype, accumul
     ours, reference = systems(name, dtype, accumulate)
     assert_same_trace(iterate(ours, range(8), new_trace()), iterate(reference, range(8), new_trace()))
     assert_same_state(ours.optimizer, reference.optimizer)
-    assert ours.scaler.stats()["skipped_steps"] >= 1  # the overflow (and 2**24's first steps) were skipped
+    stats = ours.scaler.stats()
+    assert 1 <= stats["skipped_steps"] < stats["steps"]  # the overflow skipped, most steps applied
     masters = ours.scaler.master_weights(ours.optimizer)
     low = [p for p in ours.model.parameters() if p.requires_grad and p.dtype == dtype]
     assert len(masters) == len(low) and all(m.is_cuda and m.dtype == torch.float32 for _, m in masters)

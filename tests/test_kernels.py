@@ -101,13 +101,18 @@ def test_large_finite_values_are_not_flagged(impl, p: float | None) -> None:
 @pytest.mark.parametrize("p", [None, 2.0, math.inf], ids=str)
 def test_float64_values_beyond_float32_are_finite(impl, p: float | None) -> None:
     """D11: a float64 1e300 is finite; the flag must not go through float32."""
-    tensors = [torch.full((3,), 1e300, dtype=torch.float64, device=DEVICE), torch.randn(70_001, dtype=torch.float64)]
+    tensors = [
+        torch.full((3,), 1e300, dtype=torch.float64, device=DEVICE),
+        torch.randn(70_001, dtype=torch.float64, device=DEVICE),
+    ]
     stats = impl.grad_stats(tensors, p)
     assert float(stats.nonfinite) == 0.0
     if p is not None:
         assert stats.norms.dtype == torch.float64
-        # float64 sums of squares of 1e300 overflow: only the CPU route rescales them.
-        check = slice(None) if impl is torch_stats or math.isinf(p) else slice(1, None)
+        # float64 sums of squares of 1e300 overflow: only the CPU route rescales them (on CUDA torch_stats
+        # takes torch._foreach_norm, as torch's clip_grad_norm_ does there).
+        rescaled = impl is torch_stats and DEVICE == "cpu"
+        check = slice(None) if rescaled or math.isinf(p) else slice(1, None)
         torch.testing.assert_close(stats.norms.cpu()[check], reference(tensors, p)[check], rtol=1e-12, atol=0)
 
 
@@ -291,3 +296,22 @@ def test_chunks_located_over_several_table_blocks(p: float | None, monkeypatch: 
         torch.testing.assert_close(stats.norms.double().cpu(), reference(tensors, p, 0.5), rtol=1e-5, atol=0)
     tensors[-2].view(-1)[-1] = math.inf
     assert float(triton_stats.grad_stats(tensors, p).nonfinite) == 1.0
+
+
+@pytest.mark.parametrize("impl", IMPLS, ids=IMPL_IDS)
+@pytest.mark.parametrize("p", [None, 2.0, math.inf], ids=str)
+def test_a_default_device_set_by_the_user_changes_nothing(impl, p: float | None) -> None:
+    """``torch.set_default_device`` (gpt-fast and lit-gpt set "cuda") must not move the host tables, the
+    pinned mirrors or the CPU route's index tensors: on a CUDA device it made ``pin_memory`` fail ("cannot
+    pin 'torch.cuda.LongTensor'"). "meta" stands for any device other than the gradients'."""
+    tensors = [t.to(DEVICE) for t in grads(seed=3)] + [torch.randn(16, device=DEVICE) for _ in range(9)]
+    expected = impl.grad_stats(tensors, p, torch.tensor(0.5, device=DEVICE))
+    triton_stats._CACHE.clear()
+    torch.set_default_device("meta")
+    try:
+        stats = impl.grad_stats(tensors, p, torch.tensor(0.5, device=DEVICE))
+    finally:
+        torch.set_default_device(None)
+    assert torch.equal(stats.nonfinite, expected.nonfinite)
+    if p is not None:
+        assert torch.equal(stats.norms, expected.norms)

@@ -683,3 +683,31 @@ def test_an_update_torch_refuses_before_any_step_changes_nothing() -> None:
         ours.scaler.update()
     assert all(p.grad is None for p in ours.model.parameters() if p.requires_grad and p.dtype == torch.float16)
     assert ours.scaler._masters._sums.watching
+
+
+class FreshNode:
+    """An autograd node as torch 2.11 and older show it: a new Python object at each access of a parent's
+    ``next_functions``, freed after use (so CPython hands its id to the next one)."""
+
+    def __init__(self, spec: Any) -> None:
+        self.spec = spec
+        if isinstance(spec, torch.Tensor):
+            self.variable = spec
+
+    @property
+    def next_functions(self) -> tuple[tuple[Any, int], ...]:
+        return () if isinstance(self.spec, torch.Tensor) else tuple((FreshNode(child), 0) for child in self.spec)
+
+
+def test_graph_leaves_finds_every_parameter_when_node_objects_are_made_fresh() -> None:
+    """On torch 2.11 (the CUDA image of the lent GPU machines) the first iteration's gradients were summed
+    by autograd in bfloat16: graph_leaves marked nodes seen by id(), a freed node's id came back on
+    another node, and that node (with the parameters below it) was skipped."""
+    from gradscaler.masters.accumulate import graph_leaves
+
+    params = [nn.Parameter(torch.zeros(2, dtype=torch.bfloat16)) for _ in range(6)]
+    chain: Any = [params[0]]
+    for param in params[1:]:
+        chain = [[[chain]], param]  # ToCopy -> Addmm -> (T -> AccumulateGrad, AccumulateGrad)
+    output = type("Output", (), {"grad_fn": FreshNode(chain)})()
+    assert {id(p) for p in graph_leaves(output)} == {id(p) for p in params}

@@ -83,7 +83,7 @@ def global_norm(
             if len(set(labels)) == 1:
                 by_class[labels[0]][dev] = device_norms
                 continue
-            label_of = torch.tensor(labels).to(dev, non_blocking=True)
+            label_of = torch.tensor(labels, device="cpu").to(dev, non_blocking=True)
             for label in set(labels):
                 by_class[label][dev] = device_norms[label_of == label]
         parts = torch.stack([total_norm(part, norm_type, device).to(dtype) for part in by_class])

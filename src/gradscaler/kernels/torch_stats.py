@@ -97,7 +97,7 @@ def _cpu_raw(grads: list[torch.Tensor], norm_type: float | None) -> tuple[torch.
     if norm_type is None and dtype in _HALF_DTYPES:
         return _chunk_sums(grads), False
     if norm_type is None or math.isinf(norm_type):
-        zero = torch.zeros((), dtype=dtype)
+        zero = torch.zeros((), dtype=dtype, device=grads[0].device)
         peaks = [torch.stack(torch.aminmax(g.reshape(-1))).abs().amax() if g.numel() else zero for g in grads]
         return torch.stack(peaks).to(acc), True
     return torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=acc) for g in grads]), True
@@ -205,11 +205,13 @@ def _layout(sizes: tuple[int, ...]) -> _Layout | None:
     found = None
     if len(small) >= 8:
         runs = [(n, len(list(run))) for n, run in groupby(sizes[i] for i in small)]  # small is sorted by size
-        lengths = torch.tensor([sizes[i] for i in small], dtype=torch.int64) if len(runs) > _MAX_RUNS else None
+        lengths = None
+        if len(runs) > _MAX_RUNS:
+            lengths = torch.tensor([sizes[i] for i in small], dtype=torch.int64, device="cpu")
         order = None
         if big + small != list(range(len(sizes))):
-            order = torch.empty(len(sizes), dtype=torch.int64)
-            order[torch.tensor(big + small)] = torch.arange(len(sizes))
+            order = torch.empty(len(sizes), dtype=torch.int64, device="cpu")
+            order[torch.tensor(big + small, device="cpu")] = torch.arange(len(sizes), device="cpu")
         found = _Layout(big, small, runs, lengths, order)
     if len(_LAYOUTS) >= 64:
         _LAYOUTS.clear()

@@ -188,8 +188,9 @@ class _Tables:
         offsets = [0]
         for n in sizes:
             offsets.append(offsets[-1] + max(1, math.ceil(n / CHUNK)))
-        table = torch.tensor([g.data_ptr() for g in grads] + sizes, dtype=torch.int64)
-        offs = torch.tensor(offsets, dtype=torch.int32)
+        # on the host whatever torch.set_default_device says: pinned, then copied to the tensors' device
+        table = torch.tensor([g.data_ptr() for g in grads] + sizes, dtype=torch.int64, device="cpu")
+        offs = torch.tensor(offsets, dtype=torch.int32, device="cpu")
         if device.type == "cuda":
             table, offs = table.pin_memory(), offs.pin_memory()
         self._host = (table, offs)  # pinned sources stay alive while the async copies run

@@ -219,12 +219,15 @@ def graph_leaves(output: torch.Tensor) -> list[torch.Tensor]:
     ``AccumulateGrad`` nodes of its graph)."""
     found: list[torch.Tensor] = []
     stack = [output.grad_fn]
-    seen: set[int] = set()
+    # Each node seen is held here: torch (2.11 and older) makes a new Python object for a node at each
+    # access and frees it after, so a bare id() set would meet a freed node's id again on another node
+    # and skip it (and every parameter below it).
+    seen: dict[int, Any] = {}
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         variable = getattr(node, "variable", None)
         if variable is not None:
             if isinstance(variable, torch.nn.Parameter) and variable.dtype in LOW_PRECISION:

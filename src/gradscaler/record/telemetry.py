@@ -182,8 +182,8 @@ class _Mirror:
     """Host buffers for one record's copy: counters, (scale after, flag, scale before), what was carried."""
 
     def __init__(self, pin: bool) -> None:
-        self.counters = torch.zeros(len(COUNTERS), dtype=torch.int64, pin_memory=pin)
-        self.row = torch.zeros(3, dtype=torch.float32, pin_memory=pin)
+        self.counters = torch.zeros(len(COUNTERS), dtype=torch.int64, device="cpu", pin_memory=pin)
+        self.row = torch.zeros(3, dtype=torch.float32, device="cpu", pin_memory=pin)
         self.carried: torch.Tensor | None = None
         self.tag: Any = None
         self.event: Any = None

@@ -96,7 +96,11 @@ def _tiny(dtype: torch.dtype, device: torch.device, width: int = 64, layers: int
 
 
 def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    logits = model(tokens[:, :-1])
+    """Next-token cross-entropy; a low-precision model's forward under autocast in its dtype, so that its
+    float32 LayerNorms take its activations (CUDA's layer_norm refuses bfloat16 input with float32 weights)."""
+    dtype = next(model.parameters()).dtype  # the token embedding's (a DDP wrapper has no .tok)
+    with torch.autocast(tokens.device.type, dtype=dtype, enabled=dtype != torch.float32):
+        logits = model(tokens[:, :-1])
     return nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
 
 
