@@ -74,8 +74,9 @@ float32 accumulation (a) the swap-tensors future fails a dtype change (weak refe
 ``clip_grad_value_`` over ``model.parameters()`` clips nothing (``clip_value_driven``), (c) ``optimizer.zero_grad()``
 does not reach the sums the hooks hold before a binding (``zero_grad``), and a binding that gives a frozen parameter
 a master raises torch's hook error (``binds_frozen``), a group added in a fresh resume's first iteration has its
-sum handed back in float16 (``add_param_group``); with fused AdamW, a skipped step after a cast of a bound
-layer writes the master into the parameter (``convert``). A resume that continues a float32 layer from its master
+sum handed back in float16 (``add_param_group``). (With fused AdamW a skipped step after a cast of a bound
+layer wrote the master into the parameter: found here, fixed by ``Pair.copy_back``, driven since.) A resume
+that continues a float32 layer from its master
 (``OursSide.continues``: documented for peft, with a ``ContinuedWarning``) is not driven either.
 """
 
@@ -640,12 +641,6 @@ class MastersMachine(RuleBasedStateMachine):
         # defect (a) of issue 35m's brief: with float32 accumulation the swap-tensors future fails a dtype change
         # (accumulate.py holds weak references to the parameters); the future stays off there until it is fixed
         swap = swap and not self.accumulate
-        if self.make is OPTIMIZERS["adamw_fused"]:
-            # found by this machine: a bound layer cast to float32, or between float16 and bfloat16, holds values
-            # that are not its master rounded to its dtype (the old rounding widened, or rounded twice), and a
-            # skipped fused step (which ours does not tell from an applied one, to avoid a sync) copies the master
-            # back: the skipped step changes the parameter, where the recipe's does not. Not driven until fixed.
-            return
         self.both("convert", layers, dtype, swap)
         for name in layers:
             self.config.dtypes[name] = dtype

@@ -711,3 +711,28 @@ def test_graph_leaves_finds_every_parameter_when_node_objects_are_made_fresh() -
         chain = [[[chain]], param]  # ToCopy -> Addmm -> (T -> AccumulateGrad, AccumulateGrad)
     output = type("Output", (), {"grad_fn": FreshNode(chain)})()
     assert {id(p) for p in graph_leaves(output)} == {id(p) for p in params}
+
+
+@pytest.mark.parametrize("accumulate", [False, True], ids=["autograd_sums", "fp32_sums"])
+@pytest.mark.parametrize("via", [torch.float32, torch.bfloat16], ids=str)
+def test_a_skipped_fused_step_after_a_cast_leaves_the_parameters_as_the_recipe_does(
+    accumulate: bool, via: torch.dtype
+) -> None:
+    """A bound layer cast (to float32, or from float16 to bfloat16) holds its old values widened or rounded
+    twice, not its master rounded. A fused AdamW step that skips inside its kernel then must leave them, as
+    the recipe's skipped step does (ours does not read the flag on the host: the copy back is chosen on the
+    device). Found by the state machine (tests/masters_machine.py, rule ``convert``)."""
+
+    def cast(system: System, step: int) -> None:
+        if step == 2:
+            model = system.model
+            for module in (model.inp, model.experts, model.rare, model.frozen, model.head):
+                module.to(via)
+
+    make, args = OPTIMIZERS["adamw_fused"], {**SCALER_ARGS, "init_scale": 2.0**12}  # steps 0-2 applied
+    scaler = GradScaler("cpu", master_weights=True, accumulate_grads_in_fp32=accumulate, **args)
+    ours = Ours(Net(), make, scaler)
+    reference = (Fp32Recipe if accumulate else Recipe)(Net(), make, torch.amp.GradScaler("cpu", **args))
+    # the cast after step 2, an overflow in step 3's first micro-batch, applied steps after it
+    assert_same(ours, reference, range(6), 2, overflow=(3, 0), between=cast)
+    assert ours.scaler.stats()["skipped_steps"] == 1

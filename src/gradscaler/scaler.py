@@ -381,7 +381,7 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         stepped = step.stepped
         if stepped is None:
             stepped = self._masters.active and not record["found_inf"].item()
-        self._masters.finish(optimizer, stepped)
+        self._masters.finish(optimizer, stepped, record["found_inf"] if step.handed_over else None)
         record["stage"] = OptState.STEPPED
         return step.result
 

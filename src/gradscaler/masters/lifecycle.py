@@ -334,17 +334,16 @@ class MasterWeights:
         if binding is not None:
             binding.drop_kept()
 
-    def finish(self, optimizer: torch.optim.Optimizer, stepped: bool) -> None:
+    def finish(self, optimizer: torch.optim.Optimizer, stepped: bool, skipped: torch.Tensor | None = None) -> None:
         """End ``optimizer``'s iteration at its step: copy the masters into the parameters if the step was
-        applied (a skipped step writes nothing)."""
+        applied (a skipped step writes nothing); ``skipped``: a fused step's device flag (``Pair.copy_back``)."""
         binding = self._bindings.get(optimizer)
         if binding is None:
             return
         if stepped and binding.moved:
             with torch.no_grad():
                 for pair in binding.pairs:
-                    pair.low.copy_(pair.master)
-                    pair.seen()
+                    pair.copy_back(skipped)
         _end(binding)
 
     def end(self, optimizer: torch.optim.Optimizer) -> None:
@@ -498,7 +497,7 @@ class NoMasters:
     def release(self, optimizer: torch.optim.Optimizer) -> None:
         pass
 
-    def finish(self, optimizer: torch.optim.Optimizer, stepped: bool) -> None:
+    def finish(self, optimizer: torch.optim.Optimizer, stepped: bool, skipped: torch.Tensor | None = None) -> None:
         pass
 
     def end(self, optimizer: torch.optim.Optimizer) -> None:

@@ -35,6 +35,7 @@ class Pair:
     pending: torch.Tensor | None = None  # a master value loaded from a checkpoint, checked at the next move
     kept: torch.Tensor | None = None  # the parameter's gradient after the user's ``unscale_``, until ``step``
     kept_version: int = 0
+    exact: bool = True  # the parameter is its master rounded to its dtype, bit for bit (not after a cast)
 
     def written(self) -> bool:
         """Whether the parameter may differ from its master rounded."""
@@ -63,7 +64,22 @@ class Pair:
             self.master.copy_(loaded)
         else:
             self.master.copy_(torch.where(self._kept(), self.master, self.low.to(torch.float32)))
+        # written in place in its dtype, the parameter is now its master rounded; after a cast (or a load) it
+        # may be a rounding through other dtypes, or its old values widened: a skipped step must leave it
+        self.exact = loaded is None and self._same_storage() and self.low.dtype == self.low_dtype
         self.pending = None
+        self.seen()
+
+    def copy_back(self, skipped: torch.Tensor | None) -> None:
+        """After a step: the parameter takes its master's values. ``skipped``: the device flag of a fused
+        step, which may have skipped inside its kernel (not read on the host): a parameter that is no
+        rounding of its master (``exact`` False) then keeps its values, as the recipe's skipped step does."""
+        if skipped is None or self.exact:
+            self.low.copy_(self.master)
+            self.exact = skipped is None or self.exact
+        else:
+            flag = skipped.to(self.low.device, non_blocking=True).bool()
+            self.low.copy_(torch.where(flag, self.low, self.master))
         self.seen()
 
     def _kept(self) -> torch.Tensor:
