@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from gradscaler import GradScaler
+from helpers import TORCH_VERSION
 
 Loop = Callable[[object, list[nn.Module], list[torch.optim.Optimizer], int], None]
 
@@ -81,6 +82,11 @@ def test_two_losses_two_optimizers_one_update(fused: bool) -> None:
     compare(loop, models=2, fused=fused)
 
 
+@pytest.mark.skipif(
+    TORCH_VERSION < (2, 11),
+    reason="torch 2.4's scaler drops a grad_scale preset on a fused optimizer (2.11 and 2.13 multiply it, as ours "
+    "does on every torch: docs/migration.md); releases between were not tried",
+)
 def test_preset_grad_scale_on_fused_optimizer_is_honoured() -> None:
     def loop(scaler, nets, opts, step):
         opts[0].zero_grad()

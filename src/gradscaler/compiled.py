@@ -25,6 +25,7 @@ lists the breaks and their reasons.
 
 from __future__ import annotations
 
+import inspect
 import sys
 import threading
 from collections.abc import Callable
@@ -69,8 +70,10 @@ def prepare() -> None:
             *path, name = method.__qualname__.split(".")
             for part in path:
                 owner = getattr(owner, part)
+            # an older torch (2.4) takes no ``reason``: leave the word out, not the marks
+            why = {"reason": REASON} if "reason" in inspect.signature(torch.compiler.disable).parameters else {}
             try:
-                wrapped = torch.compiler.disable(method, recursive=getattr(method, _MARK) == "eager", reason=REASON)
+                wrapped = torch.compiler.disable(method, recursive=getattr(method, _MARK) == "eager", **why)
             except Exception:  # torch._dynamo failed to import: nothing compiles in this process
                 return
             setattr(owner, name, wrapped)

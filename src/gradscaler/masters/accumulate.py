@@ -334,7 +334,10 @@ class Accumulation:
         """Before a binding: ``ValueError`` (``FSDP2_MESSAGE``) if a low-precision parameter among
         ``params`` is a DTensor (FSDP2's sharded parameters); every hook is removed first."""
         if any(p.dtype in LOW_PRECISION and type(p) not in (torch.Tensor, torch.nn.Parameter) for p in params):
-            from torch.distributed.tensor import DTensor
+            try:
+                from torch.distributed.tensor import DTensor
+            except ImportError:  # torch before 2.5: the private path
+                from torch.distributed._tensor import DTensor
 
             if any(isinstance(p, DTensor) for p in params):
                 for param in [*self._watched.keys(), *params]:

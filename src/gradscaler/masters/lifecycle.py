@@ -440,6 +440,8 @@ class MasterWeights:
             setattr(master, PARAM_ATTR, param)
             group["params"][index] = master
             pair = Pair(master=master, low=param)
+            if value is not None:  # a saved master may round to the parameter only through other dtypes
+                pair.note_exact()
             pair.seen()
         elif stands_in(param):  # a copied master: bound to its copied parameter, checked first
             pair = Pair(master=param, low=getattr(param, PARAM_ATTR))

@@ -64,11 +64,18 @@ class Pair:
             self.master.copy_(loaded)
         else:
             self.master.copy_(torch.where(self._kept(), self.master, self.low.to(torch.float32)))
-        # written in place in its dtype, the parameter is now its master rounded; after a cast (or a load) it
-        # may be a rounding through other dtypes, or its old values widened: a skipped step must leave it
-        self.exact = loaded is None and self._same_storage() and self.low.dtype == self.low_dtype
+        if loaded is not None:
+            self.note_exact()
+        else:  # written in place in its dtype, the parameter is now its master rounded; after a cast it may be
+            # a rounding through other dtypes, or its old values widened: a skipped step must leave it
+            self.exact = self._same_storage() and self.low.dtype == self.low_dtype
         self.pending = None
         self.seen()
+
+    def note_exact(self) -> None:
+        """Whether the parameter is its master rounded to its dtype (``exact``), read on the host: only where a
+        checkpoint's master was just claimed, which read it already."""
+        self.exact = torch.equal(self.master.detach().to(self.low.dtype), self.low.detach())
 
     def copy_back(self, skipped: torch.Tensor | None) -> None:
         """After a step: the parameter takes its master's values. ``skipped``: the device flag of a fused
@@ -107,6 +114,7 @@ class Pair:
         loaded = checkpoint.claims(self.pending, self.low)
         if loaded is not None:
             self.master.copy_(loaded)
+            self.note_exact()
         self.low_version = -1
 
 
