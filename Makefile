@@ -70,8 +70,8 @@ test-triton-ends: $(STAMP)
 # An older torch than .venv's, opt-in (not part of `make test`): OLDER_TORCH (default 2.11.0, the
 # release the lent GPU machines run; 2.4.1 is pyproject's floor) in a venv of its own
 # (.venv/torch-VERSION: PyPI's CUDA build, about 5 GB with the CUDA libraries it pulls), and the suite
-# again without what needs newer releases: the kernel tests (older CUDA builds pin a Triton below the
-# kernels' tested range), the frameworks' (pinned releases that need a newer torch), DTensor's public
+# again without what needs newer releases: the kernel tests and every test of the Triton path (older
+# CUDA builds pin a Triton below the kernels' tested range), the frameworks' (pinned releases that need a newer torch), DTensor's public
 # API (torch 2.5), torch.compile's counts, and the bench, demo, CLI, report and docs files. Results of
 # 2.11.0 and 2.4.1, and what differs there: README.md, "Which torch".
 OLDER_TORCH ?= 2.11.0
@@ -87,7 +87,7 @@ test-older-torch:
 		$(OLDER_VENV)/bin/pip install --quiet "torch==$(OLDER_TORCH)" "pytest>=8" "hypothesis>=6.100" "numpy>=1.24" && \
 		touch $(OLDER_VENV)/.installed; } || exit 1
 	@echo "torch $$($(OLDER_VENV)/bin/python -c 'import torch; print(torch.__version__)'): $(words $(OLDER_TESTS)) test files again"
-	PYTHONPATH=src $(OLDER_VENV)/bin/python -m pytest -q -p no:cacheprovider $(OLDER_TESTS)
+	PYTHONPATH=src $(OLDER_VENV)/bin/python -m pytest -q -p no:cacheprovider -k "not triton" $(OLDER_TESTS)
 
 bench: $(STAMP)
 	$(BIN)/gradscaler bench
