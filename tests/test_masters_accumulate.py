@@ -736,3 +736,52 @@ def test_a_skipped_fused_step_after_a_cast_leaves_the_parameters_as_the_recipe_d
     # the cast after step 2, an overflow in step 3's first micro-batch, applied steps after it
     assert_same(ours, reference, range(6), 2, overflow=(3, 0), between=cast)
     assert ours.scaler.stats()["skipped_steps"] == 1
+
+
+def test_a_frozen_parameter_swapped_under_the_future_is_hooked_again_once_unfrozen() -> None:
+    """With the swap-tensors future on for the run, a bound parameter frozen when a conversion swaps it
+    cannot be hooked again at the next ``scale()`` (torch refuses a hook on a tensor that does not require
+    grad: it raised that from the backward, found by the state machine); it is hooked at the first
+    ``scale()`` after it is unfrozen, and sums in float32 from then on, as the recipe's copy does."""
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        ours, reference = pair("adamw_foreach")
+        trace, expected = run(ours, range(2), 2, new_trace()), run(reference, range(2), 2, new_trace())
+        for system in (ours, reference):
+            system.model.head.requires_grad_(False)
+            round_trip(system, 2)  # every float16 layer to float32, each parameter swapped
+            round_trip(system, 4)  # and back to float16
+        assert_same_trace(run(ours, range(2, 4), 2, trace), run(reference, range(2, 4), 2, expected))
+        for system in (ours, reference):
+            system.model.head.requires_grad_(True)
+        assert_same_trace(run(ours, range(4, 7), 2, trace), run(reference, range(4, 7), 2, expected))
+        assert ours.model.head.weight.grad is None  # summed in float32, not by autograd
+        assert_same_state(ours.optimizer, reference.optimizer)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
+
+
+def test_a_swap_round_trip_whose_new_tensor_gets_the_old_address_is_hooked_again() -> None:
+    """A round trip under the swap-tensors future swaps each parameter twice; the first swap frees the tensor
+    the scaler hooked, and the second may be given its address back (the allocator's choice: found by the
+    state machine, order-dependent), so the address alone does not tell that the hook is dead. Here the
+    address is handed back by hand: the sums must still be hooked again, as the recipe's copies sum."""
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        ours, reference = pair("adamw_foreach")
+        trace, expected = run(ours, range(2), 2, new_trace()), run(reference, range(2), 2, new_trace())
+        for system in (ours, reference):
+            round_trip(system, 2)
+            round_trip(system, 4)
+        sums = ours.scaler._masters._sums
+        hooked = [p for p in ours.model.parameters() if sums.sum_of(p) is not None]
+        assert len(hooked) >= 4
+        for param in hooked:
+            sums.sum_of(param).impl = param._cdata  # type: ignore[union-attr]
+        assert_same_trace(run(ours, range(2, 5), 2, trace), run(reference, range(2, 5), 2, expected))
+        assert all(p.grad is None for p in hooked)  # summed in float32, not by autograd
+        assert_same_state(ours.optimizer, reference.optimizer)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)

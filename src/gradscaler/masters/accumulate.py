@@ -28,6 +28,7 @@ reduce-scatters each backward's gradient itself: its ``reduce_dtype`` is the set
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -117,21 +118,31 @@ LATE_MESSAGE = (
 )
 
 
+# The key of the token a hooked parameter carries in its ``__dict__``: torch's ``swap_tensors`` swaps the
+# ``__dict__`` with the new tensor's (empty), so a parameter without its Sum's token was swapped. Its
+# ``_cdata`` alone does not tell: a swap frees the old tensor, and a second swap (a round trip under the
+# swap-tensors future) may get the first one's address back, hooks dead (found by the state machine).
+HOOKED_KEY = "_gradscaler_sum_token"
+_TOKENS = itertools.count()
+
+
 class Sum:
     """One parameter's float32 sum of this iteration's gradients, and the hook autograd calls after it
     wrote a backward's gradient into the parameter's ``.grad``.
 
     ``fresh``: the next gradient starts the sum (the iteration's first); ``total``: the sum while no
     master is bound (after that it lives in the master's ``.grad``); ``impl``: the parameter's
-    ``_cdata`` when hooked (torch's ``swap_tensors`` gives the parameter a new one, without the hook).
+    ``_cdata`` when hooked (torch's ``swap_tensors`` gives the parameter a new one, without the hook);
+    ``token``: the one it gave the parameter (``HOOKED_KEY``), which a swap takes away.
     The parameter holds it (its hooks); it holds no reference to the parameter (torch's swap refuses a
     weakly referenced tensor), and its master and owner weakly: a hook whose scaler is gone leaves
     ``.grad`` as autograd wrote it."""
 
-    __slots__ = ("__weakref__", "fresh", "handle", "impl", "master", "owner", "total")
+    __slots__ = ("__weakref__", "fresh", "handle", "impl", "master", "owner", "token", "total")
 
     def __init__(self, param: torch.Tensor, owner: Accumulation) -> None:
         self.impl = param._cdata
+        self.token = self.mark(param)
         self.owner = weakref.ref(owner)
         self.master: weakref.ref[torch.Tensor] | None = None
         self.total: torch.Tensor | None = None
@@ -188,10 +199,25 @@ class Sum:
         param._post_accumulate_grad_hooks = None  # type: ignore[assignment]
         self.handle = param.register_post_accumulate_grad_hook(self)
         self.impl = param._cdata
+        self.token = self.mark(param)
+
+    @staticmethod
+    def mark(param: torch.Tensor) -> int:
+        """Give ``param`` a new token (``HOOKED_KEY``); return it."""
+        token = next(_TOKENS)
+        param.__dict__[HOOKED_KEY] = token
+        return token
+
+    def swapped(self, param: torch.Tensor) -> bool:
+        """Whether torch's ``swap_tensors`` gave ``param`` a new tensor since it was hooked (its hook is
+        then on the old one)."""
+        return self.impl != param._cdata or param.__dict__.get(HOOKED_KEY) != self.token
 
     def follow(self, param: torch.Tensor) -> None:
-        """Hook ``param`` again if torch's ``swap_tensors`` gave it a new tensor since it was hooked."""
-        if self.impl != param._cdata:
+        """Hook ``param`` again if torch's ``swap_tensors`` gave it a new tensor since it was hooked; not
+        while it is frozen (torch refuses a hook on a tensor that does not require grad, and it gets no
+        gradient): it stays marked as swapped, so the first ``scale()`` after it is unfrozen does it."""
+        if param.requires_grad and self.swapped(param):
             self.rehook(param)
 
     def release(self, param: torch.Tensor) -> None:
@@ -199,6 +225,8 @@ class Sum:
         if self.handle is not None:
             self.handle.remove()
             self.handle = None
+        if param.__dict__.get(HOOKED_KEY) == self.token:
+            del param.__dict__[HOOKED_KEY]
         if self.total is not None and not self.fresh and param.grad is None:
             param.grad = self.total.to(param.dtype)
         self.total = None
@@ -372,7 +400,7 @@ class Accumulation:
         for number, pair in enumerate(binding.pairs):
             if pair.low.grad is not None:
                 found = self.sum_of(pair.low)
-                if found is not None and found.impl != pair.low._cdata:
+                if found is not None and found.swapped(pair.low):
                     self.revive(binding.lows())
                     raise ValueError(SWAPPED_MESSAGE.format(name=name(pair, number), dtype=pair.low.dtype))
                 ddp = torch.distributed.is_available() and torch.distributed.is_initialized()
