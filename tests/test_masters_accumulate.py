@@ -785,3 +785,36 @@ def test_a_swap_round_trip_whose_new_tensor_gets_the_old_address_is_hooked_again
         assert_same_state(ours.optimizer, reference.optimizer)
     finally:
         torch.__future__.set_swap_module_params_on_conversion(before)
+
+
+@pytest.mark.parametrize("accumulate", [False, True], ids=["autograd_sums", "fp32_sums"])
+def test_a_skipped_fused_step_after_a_resume_from_a_round_trip_leaves_the_parameters_as_the_recipe_does(
+    accumulate: bool,
+) -> None:
+    """A bfloat16 evaluation and back (``round_trip`` through bfloat16) leaves the parameters rounded twice,
+    no rounding of their masters; a checkpoint saved then and resumed into fresh objects binds each to its
+    saved master, which it is still no rounding of. A fused AdamW step that skips inside its kernel then must
+    leave the parameters as they are, as the recipe's skipped step does (the fresh binding took them for
+    their masters rounded, and wrote the masters into them). Found by the state machine (a round trip, a
+    save and a fresh resume, a skipped step)."""
+    make, args = OPTIMIZERS["adamw_fused"], {**SCALER_ARGS, "init_scale": 2.0**12}  # steps 0-1 applied
+
+    def scaler() -> GradScaler:
+        return GradScaler("cpu", master_weights=True, accumulate_grads_in_fp32=accumulate, **args)
+
+    ours = Ours(Net(), make, scaler())
+    reference = (Fp32Recipe if accumulate else Recipe)(Net(), make, torch.amp.GradScaler("cpu", **args))
+    trace, expected = run(ours, range(2), 2, new_trace()), run(reference, range(2), 2, new_trace())
+    for system in (ours, reference):
+        for module in (system.model.inp, system.model.experts, system.model.rare, system.model.head):
+            module.to(torch.bfloat16).to(torch.float16)
+    model_state, optimizer_state, scaler_state = torch.load(io.BytesIO(save(ours)), weights_only=True)
+    again = Ours(Net(seed=9), make, scaler())
+    again.model.load_state_dict(model_state)
+    again.optimizer.load_state_dict(optimizer_state)
+    again.scaler.load_state_dict(scaler_state)
+    # an overflow in step 2's first micro-batch (skipped), applied steps after it
+    run(again, range(2, 5), 2, trace, overflow=(2, 0))
+    run(reference, range(2, 5), 2, expected, overflow=(2, 0))
+    assert_same_trace(trace, expected)
+    assert again.scaler.stats()["skipped_steps"] == 1

@@ -439,7 +439,10 @@ class MasterWeights:
                 optimizer.state[master] = state
             setattr(master, PARAM_ATTR, param)
             group["params"][index] = master
-            pair = Pair(master=master, low=param)
+            # a master made from the parameter is its widening; one from a saved value may be a value the
+            # parameter is a rounding of through casts only (a bfloat16 evaluation and back before the save):
+            # not exact, so a fused step that skips inside its kernel leaves the parameter (Pair.copy_back)
+            pair = Pair(master=master, low=param, exact=value is None)
             pair.seen()
         elif stands_in(param):  # a copied master: bound to its copied parameter, checked first
             pair = Pair(master=param, low=getattr(param, PARAM_ATTR))
