@@ -599,10 +599,9 @@ class MastersMachine(RuleBasedStateMachine):
     def clip_value_driven(self) -> bool:
         """``unscale_`` then ``torch.nn.utils.clip_grad_value_`` over ``model.parameters()``: without float32
         accumulation it writes the float16 gradients ours keeps after ``unscale_``, which ``step`` refuses
-        (documented); with it, defect (b) of issue 35m's brief: it finds no gradient to clip (``p.grad`` is
-        None) and clips nothing, where the recipe clips its copies. Not driven until that is fixed: then
-        ``return self.accumulate``."""
-        return False
+        (documented), so it is driven with float32 accumulation only (routed to the masters' gradients, as
+        the recipe clips its copies; defect (b) of issue 35m's brief, fixed)."""
+        return self.accumulate
 
     @precondition(lambda self: self.grads and self.clip_value_driven())
     @rule(clip_value=st.sampled_from([1e-3, 0.05]))
@@ -624,11 +623,7 @@ class MastersMachine(RuleBasedStateMachine):
     def zero_grad(self, where: str, set_to_none: bool) -> None:
         if self.phase == "moved" and not set_to_none:
             return  # zeroing the float16 gradients kept after unscale_ is a write that step refuses (documented)
-        if where == "optimizer" and self.ours.held_sums():
-            # defect (c) of issue 35m's brief: optimizer.zero_grad() does not reach the float32 sums the hooks
-            # hold before a binding (the first iteration, and a group added to a bound optimizer before its next
-            # move), where the recipe's clears its copies' sums; lift once it is fixed
-            return
+        pass  # LIFT-C1
         for side in (self.ours, self.reference):
             side.system.zero_grad(where, set_to_none)
         if set_to_none:
