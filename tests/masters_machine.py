@@ -774,13 +774,6 @@ class MastersMachine(RuleBasedStateMachine):
         armed = self.ours.system.armed
         fresh = OursSide(self.make, config, self.scales, seed=7, accumulate=self.accumulate)
         fresh.system.armed = armed
-        if order.startswith("bound") and self.accumulate and not all(config.trainable.values()):
-            # found by this machine, not fixed: with float32 accumulation a layer frozen at a binding and with no
-            # optimizer state then (the fresh optimizer's) gets no master and no hook; unfrozen after that
-            # iteration (and after the loads gave it state and a saved master), its next backward is summed by
-            # autograd in float16 into p.grad until the move binds it (with the LATE_MESSAGE warning), where
-            # the recipe's copy sums in float32. Resumed here in the unbound order instead.
-            order = order.removeprefix("bound-")
         if order.startswith("bound"):  # an iteration that binds the fresh optimizer and steps nothing
             fresh.backward(Plan(0))
             fresh.system.unscale_()

@@ -9,6 +9,7 @@ steps and in the middle of an accumulation. Then the refusals, each changing not
 from __future__ import annotations
 
 import io
+import warnings
 from typing import Any
 
 import pytest
@@ -818,3 +819,29 @@ def test_a_skipped_fused_step_after_a_resume_from_a_round_trip_leaves_the_parame
     run(reference, range(2, 5), 2, expected, overflow=(2, 0))
     assert_same_trace(trace, expected)
     assert again.scaler.stats()["skipped_steps"] == 1
+
+
+def test_a_layer_frozen_at_the_binding_and_unfrozen_later_sums_in_float32_from_its_first_backward() -> None:
+    """A layer frozen and without optimizer state at the binding gets no master and no hook (a warm-up with a
+    frozen layer). Unfrozen later, its first iteration was summed by autograd in float16 into ``p.grad`` (with
+    the late-parameter warning), where the recipe's copy sums in float32 (found by the state machine through a
+    fresh resume that binds before its loads). Now the iteration's first ``scale()`` hooks it."""
+    ours, reference = pair("adamw_foreach")
+    for system in (ours, reference):
+        system.model.head.requires_grad_(False)
+    trace, expected = run(ours, range(2), 4, new_trace()), run(reference, range(2), 4, new_trace())
+    for system in (ours, reference):
+        system.model.head.requires_grad_(True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no late-parameter warning
+        ours.zero_grad("optimizer", True)
+        ours.backward(micro_loss(ours, 2, 0, 4))
+    assert ours.model.head.weight.grad is None  # in the float32 sum, not accumulated by autograd
+    for micro in range(1, 4):
+        ours.backward(micro_loss(ours, 2, micro, 4))
+    ours.step()
+    ours.update()
+    record(ours, trace)
+    run(reference, range(2, 3), 4, expected)
+    assert_same_trace(run(ours, range(3, 6), 4, trace), run(reference, range(3, 6), 4, expected))
+    assert_same_state(ours.optimizer, reference.optimizer)

@@ -281,6 +281,10 @@ class Accumulation:
         # bound pairs whose parameter was frozen at the binding (torch refuses a hook on a tensor that does
         # not require grad), weakly by id: hooked at the first scale() after they are unfrozen
         self._frozen: dict[int, weakref.ReferenceType[Any]] = {}
+        # bound optimizers holding frozen low-precision parameters that got no master (no state then): each
+        # iteration's first scale() hooks those unfrozen since, before their first backward (``wake``)
+        self._asleep: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._wake = False
         self.ddp = DataParallel()  # the parameters of registered DDP modules: their sums averaged at the move
 
     def watch(self, output: Any, bound: Callable[[], list[torch.Tensor]]) -> Any:
@@ -295,6 +299,8 @@ class Accumulation:
             self.revive(bound())
         if self._frozen:
             self.thaw()
+        if self._wake:
+            self.wake()
         return output
 
     def sum_of(self, param: torch.Tensor) -> Sum | None:
@@ -338,6 +344,32 @@ class Accumulation:
             elif pair.low.requires_grad:
                 del self._frozen[key]
                 self.hook(pair.low, watched=False).master = weakref.ref(pair.master)
+
+    def asleep(self, optimizer: torch.optim.Optimizer) -> None:
+        """At a binding: ``optimizer`` holds frozen low-precision parameters without a master, which
+        ``wake`` hooks once they are unfrozen."""
+        self._asleep.add(optimizer)
+        self._wake = True
+
+    @compiled.eager  # once an iteration, only while a bound optimizer holds a frozen parameter without master
+    def wake(self) -> None:
+        """Hook each low-precision parameter of the optimizers ``asleep`` that requires grad now and has no
+        hook (unfrozen since its binding, where it got no master): its sum is held by the hook until the next
+        move binds it, as for a group added to a bound optimizer; an optimizer with none frozen left is
+        dropped. (The parameters an optimizer steps as masters are float32 in its groups.)"""
+        self._wake = False
+        for optimizer in list(self._asleep):
+            frozen = False
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    if not isinstance(param, torch.Tensor) or param.dtype not in LOW_PRECISION:
+                        continue
+                    if not param.requires_grad:
+                        frozen = True
+                    elif self.sum_of(param) is None:
+                        self.hook(param, watched=False)
+            if not frozen:
+                self._asleep.discard(optimizer)
 
     def clear_held(self, params: list[torch.Tensor], set_to_none: bool) -> None:
         """A bound optimizer's ``zero_grad``: the sums its hooks still hold (a group added since its last
@@ -430,6 +462,7 @@ class Accumulation:
         """At the first ``update()`` after an optimizer met the scaler (an ``update()`` before any, which
         torch's rule refuses, changes nothing): stop hooking from the scaled graphs and give the parameters
         no optimizer of the scaler binds (``bound``: their ids) back to autograd, their sum in ``.grad``."""
+        self._wake = bool(self._asleep)  # the next iteration's first scale() looks for unfrozen ones
         if not self.watching or not (bound or self.contacted):
             return
         self.watching = False
