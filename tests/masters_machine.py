@@ -65,30 +65,26 @@ outside the optimizer (every parameter of ``Net`` that has a gradient is the opt
 ``torch.nn.utils.clip_grad_value_`` over ``model.parameters()`` without float32 accumulation (``step`` refuses
 it, documented; with it, it is driven: (b) below).
 
-Not driven yet, defects known (each excluded where its comment says). With float32 accumulation, a layer frozen
-and without optimizer state at a binding gets no master and no hook; unfrozen later, its next iteration is summed
-by autograd in float16 (with the late-parameter warning) where the recipe's copy sums in float32: a fresh resume
-that binds before its loads (``bound-*``) with a frozen layer is resumed in the unbound order instead (``resume``;
-a plain loop that freezes a layer for a warm-up and then unfreezes it shows the same; not fixed). A resume that
-continues a float32 layer from its master (``OursSide.continues``: documented for peft, with a
-``ContinuedWarning``) is not driven either, nor with float32 accumulation a fresh resume with a float32 layer
-(``resume_driven``).
+Not driven yet (each excluded where its comment says). A resume that continues a float32 layer from its master
+(``OursSide.continues``: documented for peft, with a ``ContinuedWarning``) is not driven either, nor with float32
+accumulation a fresh resume with a float32 layer (``resume_driven``).
 
-Driven since their fixes (issue 35x lifted their exclusions one at a time, CI's 300 sequences holding after
-each): (a) the swap-tensors future with float32 accumulation, kept on for the rest of the run once a conversion
-turns it on, as docs/migration.md says (``convert``; it found two defects, fixed: a parameter frozen when swapped
-was refused by torch's hook error from the next backward, and a round trip whose second swap got the first
-tensor's address back kept its dead hook); (b) ``clip_grad_value_`` over ``model.parameters()``
-(``clip_value_driven``); (c) ``optimizer.zero_grad()`` reaching the sums held before a bound optimizer's next
-move (``zero_grad``; before the first binding it reaches none: documented, not driven), a frozen layer in an
-optimizer not bound yet, and ``add_param_group`` in a fresh resume's first iteration. The "master 8 (the layer
-``add_param_group`` added) one float16 rounding off" that lifting them together found was the machine's model:
-a checkpoint saved before that layer's first move holds no master for it, so after a resume its master is made
-at the next move, from a parameter a cast before that move rounded (documented: ``extra_waiting`` now spans
-saves and resumes, ``Config.moved``). The same runs found a fused AdamW step skipped after a fresh resume from a
-bfloat16 round trip writing the masters into the parameters (fixed: ``Pair.exact`` at a binding to a saved
-master). (With fused AdamW a skipped step after a cast of a bound layer wrote the master into the parameter:
-found here, fixed by ``Pair.copy_back``, driven since.)
+Driven since their fixes (issue 35x lifted their exclusions one at a time, CI's 300 sequences holding after each):
+(a) the swap-tensors future with float32 accumulation, kept on for the rest of the run once a conversion turns it
+on, as docs/migration.md says (``convert``; it found two defects, fixed: a parameter frozen when swapped was refused
+by torch's hook error from the next backward, and a round trip whose second swap got the first tensor's address back
+kept its dead hook); (b) ``clip_grad_value_`` over ``model.parameters()`` (``clip_value_driven``); (c)
+``optimizer.zero_grad()`` reaching the sums held before a bound optimizer's next move (``zero_grad``; before the
+first binding it reaches none: documented, not driven), a frozen layer in an optimizer not bound yet, and
+``add_param_group`` in a fresh resume's first iteration. The "master 8 (the layer ``add_param_group`` added) one
+float16 rounding off" that lifting them together found was the machine's model: a checkpoint saved before that
+layer's first move holds no master for it, so after a resume its master is made at the next move, from a parameter a
+cast before that move rounded (documented: ``extra_waiting`` now spans saves and resumes, ``Config.moved``). The
+same runs found a fused AdamW step skipped after a fresh resume from a bfloat16 round trip writing the masters into
+the parameters (fixed: ``Pair.exact`` at a binding to a saved master), and with float32 accumulation a layer frozen
+without optimizer state at a binding (a fresh resume that binds before its loads), unfrozen later, summed its next
+iteration in float16 (fixed: ``Accumulation.wake``). (With fused AdamW a skipped step after a cast of a bound layer
+wrote the master into the parameter: found here, fixed by ``Pair.copy_back``, driven since.)
 """
 
 from __future__ import annotations
