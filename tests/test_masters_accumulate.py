@@ -9,6 +9,7 @@ steps and in the middle of an accumulation. Then the refusals, each changing not
 from __future__ import annotations
 
 import io
+import warnings
 from typing import Any
 
 import pytest
@@ -774,3 +775,111 @@ def test_a_resume_after_a_bfloat16_round_trip_keeps_the_parameters_through_a_ski
     tail = run(again, range(3, 6), 2, new_trace(), overflow=(3, 0))
     assert_same_trace({k: head[k] + tail[k] for k in head}, whole)
     assert again.scaler.stats()["skipped_steps"] == 1
+
+
+def test_a_frozen_parameter_swapped_under_the_future_is_hooked_again_once_unfrozen() -> None:
+    """With the swap-tensors future on for the run, a bound parameter frozen when a conversion swaps it
+    cannot be hooked again at the next ``scale()`` (torch refuses a hook on a tensor that does not require
+    grad: it raised that from the backward, found by the state machine); it is hooked at the first
+    ``scale()`` after it is unfrozen, and sums in float32 from then on, as the recipe's copy does."""
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        ours, reference = pair("adamw_foreach")
+        trace, expected = run(ours, range(2), 2, new_trace()), run(reference, range(2), 2, new_trace())
+        for system in (ours, reference):
+            system.model.head.requires_grad_(False)
+            round_trip(system, 2)  # every float16 layer to float32, each parameter swapped
+            round_trip(system, 4)  # and back to float16
+        assert_same_trace(run(ours, range(2, 4), 2, trace), run(reference, range(2, 4), 2, expected))
+        for system in (ours, reference):
+            system.model.head.requires_grad_(True)
+        assert_same_trace(run(ours, range(4, 7), 2, trace), run(reference, range(4, 7), 2, expected))
+        assert ours.model.head.weight.grad is None  # summed in float32, not by autograd
+        assert_same_state(ours.optimizer, reference.optimizer)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
+
+
+def test_a_swap_round_trip_whose_new_tensor_gets_the_old_address_is_hooked_again() -> None:
+    """A round trip under the swap-tensors future swaps each parameter twice; the first swap frees the tensor
+    the scaler hooked, and the second may be given its address back (the allocator's choice: found by the
+    state machine, order-dependent), so the address alone does not tell that the hook is dead. Here the
+    address is handed back by hand: the sums must still be hooked again, as the recipe's copies sum."""
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        ours, reference = pair("adamw_foreach")
+        trace, expected = run(ours, range(2), 2, new_trace()), run(reference, range(2), 2, new_trace())
+        for system in (ours, reference):
+            round_trip(system, 2)
+            round_trip(system, 4)
+        sums = ours.scaler._masters._sums
+        hooked = [p for p in ours.model.parameters() if sums.sum_of(p) is not None]
+        assert len(hooked) >= 4
+        for param in hooked:
+            sums.sum_of(param).impl = param._cdata  # type: ignore[union-attr]
+        assert_same_trace(run(ours, range(2, 5), 2, trace), run(reference, range(2, 5), 2, expected))
+        assert all(p.grad is None for p in hooked)  # summed in float32, not by autograd
+        assert_same_state(ours.optimizer, reference.optimizer)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
+
+
+@pytest.mark.parametrize("accumulate", [False, True], ids=["autograd_sums", "fp32_sums"])
+def test_a_skipped_fused_step_after_a_resume_from_a_round_trip_leaves_the_parameters_as_the_recipe_does(
+    accumulate: bool,
+) -> None:
+    """A bfloat16 evaluation and back (``round_trip`` through bfloat16) leaves the parameters rounded twice,
+    no rounding of their masters; a checkpoint saved then and resumed into fresh objects binds each to its
+    saved master, which it is still no rounding of. A fused AdamW step that skips inside its kernel then must
+    leave the parameters as they are, as the recipe's skipped step does (the fresh binding took them for
+    their masters rounded, and wrote the masters into them). Found by the state machine (a round trip, a
+    save and a fresh resume, a skipped step)."""
+    make, args = OPTIMIZERS["adamw_fused"], {**SCALER_ARGS, "init_scale": 2.0**12}  # steps 0-1 applied
+
+    def scaler() -> GradScaler:
+        return GradScaler("cpu", master_weights=True, accumulate_grads_in_fp32=accumulate, **args)
+
+    ours = Ours(Net(), make, scaler())
+    reference = (Fp32Recipe if accumulate else Recipe)(Net(), make, torch.amp.GradScaler("cpu", **args))
+    trace, expected = run(ours, range(2), 2, new_trace()), run(reference, range(2), 2, new_trace())
+    for system in (ours, reference):
+        for module in (system.model.inp, system.model.experts, system.model.rare, system.model.head):
+            module.to(torch.bfloat16).to(torch.float16)
+    model_state, optimizer_state, scaler_state = torch.load(io.BytesIO(save(ours)), weights_only=True)
+    again = Ours(Net(seed=9), make, scaler())
+    again.model.load_state_dict(model_state)
+    again.optimizer.load_state_dict(optimizer_state)
+    again.scaler.load_state_dict(scaler_state)
+    # an overflow in step 2's first micro-batch (skipped), applied steps after it
+    run(again, range(2, 5), 2, trace, overflow=(2, 0))
+    run(reference, range(2, 5), 2, expected, overflow=(2, 0))
+    assert_same_trace(trace, expected)
+    assert again.scaler.stats()["skipped_steps"] == 1
+
+
+def test_a_layer_frozen_at_the_binding_and_unfrozen_later_sums_in_float32_from_its_first_backward() -> None:
+    """A layer frozen and without optimizer state at the binding gets no master and no hook (a warm-up with a
+    frozen layer). Unfrozen later, its first iteration was summed by autograd in float16 into ``p.grad`` (with
+    the late-parameter warning), where the recipe's copy sums in float32 (found by the state machine through a
+    fresh resume that binds before its loads). Now the iteration's first ``scale()`` hooks it."""
+    ours, reference = pair("adamw_foreach")
+    for system in (ours, reference):
+        system.model.head.requires_grad_(False)
+    trace, expected = run(ours, range(2), 4, new_trace()), run(reference, range(2), 4, new_trace())
+    for system in (ours, reference):
+        system.model.head.requires_grad_(True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no late-parameter warning
+        ours.zero_grad("optimizer", True)
+        ours.backward(micro_loss(ours, 2, 0, 4))
+    assert ours.model.head.weight.grad is None  # in the float32 sum, not accumulated by autograd
+    for micro in range(1, 4):
+        ours.backward(micro_loss(ours, 2, micro, 4))
+    ours.step()
+    ours.update()
+    record(ours, trace)
+    run(reference, range(2, 3), 4, expected)
+    assert_same_trace(run(ours, range(3, 6), 4, trace), run(reference, range(3, 6), 4, expected))
+    assert_same_state(ours.optimizer, reference.optimizer)

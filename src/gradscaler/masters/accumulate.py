@@ -28,6 +28,7 @@ reduce-scatters each backward's gradient itself: its ``reduce_dtype`` is the set
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -117,21 +118,31 @@ LATE_MESSAGE = (
 )
 
 
+# The key of the token a hooked parameter carries in its ``__dict__``: torch's ``swap_tensors`` swaps the
+# ``__dict__`` with the new tensor's (empty), so a parameter without its Sum's token was swapped. Its
+# ``_cdata`` alone does not tell: a swap frees the old tensor, and a second swap (a round trip under the
+# swap-tensors future) may get the first one's address back, hooks dead (found by the state machine).
+HOOKED_KEY = "_gradscaler_sum_token"
+_TOKENS = itertools.count()
+
+
 class Sum:
     """One parameter's float32 sum of this iteration's gradients, and the hook autograd calls after it
     wrote a backward's gradient into the parameter's ``.grad``.
 
     ``fresh``: the next gradient starts the sum (the iteration's first); ``total``: the sum while no
     master is bound (after that it lives in the master's ``.grad``); ``impl``: the parameter's
-    ``_cdata`` when hooked (torch's ``swap_tensors`` gives the parameter a new one, without the hook).
+    ``_cdata`` when hooked (torch's ``swap_tensors`` gives the parameter a new one, without the hook);
+    ``token``: the one it gave the parameter (``HOOKED_KEY``), which a swap takes away.
     The parameter holds it (its hooks); it holds no reference to the parameter (torch's swap refuses a
     weakly referenced tensor), and its master and owner weakly: a hook whose scaler is gone leaves
     ``.grad`` as autograd wrote it."""
 
-    __slots__ = ("__weakref__", "fresh", "handle", "impl", "master", "owner", "total")
+    __slots__ = ("__weakref__", "fresh", "handle", "impl", "master", "owner", "token", "total")
 
     def __init__(self, param: torch.Tensor, owner: Accumulation) -> None:
         self.impl = param._cdata
+        self.token = self.mark(param)
         self.owner = weakref.ref(owner)
         self.master: weakref.ref[torch.Tensor] | None = None
         self.total: torch.Tensor | None = None
@@ -188,10 +199,25 @@ class Sum:
         param._post_accumulate_grad_hooks = None  # type: ignore[assignment]
         self.handle = param.register_post_accumulate_grad_hook(self)
         self.impl = param._cdata
+        self.token = self.mark(param)
+
+    @staticmethod
+    def mark(param: torch.Tensor) -> int:
+        """Give ``param`` a new token (``HOOKED_KEY``); return it."""
+        token = next(_TOKENS)
+        param.__dict__[HOOKED_KEY] = token
+        return token
+
+    def swapped(self, param: torch.Tensor) -> bool:
+        """Whether torch's ``swap_tensors`` gave ``param`` a new tensor since it was hooked (its hook is
+        then on the old one)."""
+        return self.impl != param._cdata or param.__dict__.get(HOOKED_KEY) != self.token
 
     def follow(self, param: torch.Tensor) -> None:
-        """Hook ``param`` again if torch's ``swap_tensors`` gave it a new tensor since it was hooked."""
-        if self.impl != param._cdata:
+        """Hook ``param`` again if torch's ``swap_tensors`` gave it a new tensor since it was hooked; not
+        while it is frozen (torch refuses a hook on a tensor that does not require grad, and it gets no
+        gradient): it stays marked as swapped, so the first ``scale()`` after it is unfrozen does it."""
+        if param.requires_grad and self.swapped(param):
             self.rehook(param)
 
     def release(self, param: torch.Tensor) -> None:
@@ -199,6 +225,8 @@ class Sum:
         if self.handle is not None:
             self.handle.remove()
             self.handle = None
+        if param.__dict__.get(HOOKED_KEY) == self.token:
+            del param.__dict__[HOOKED_KEY]
         if self.total is not None and not self.fresh and param.grad is None:
             param.grad = self.total.to(param.dtype)
         self.total = None
@@ -253,6 +281,10 @@ class Accumulation:
         # bound pairs whose parameter was frozen at the binding (torch refuses a hook on a tensor that does
         # not require grad), weakly by id: hooked at the first scale() after they are unfrozen
         self._frozen: dict[int, weakref.ReferenceType[Any]] = {}
+        # bound optimizers holding frozen low-precision parameters that got no master (no state then): each
+        # iteration's first scale() hooks those unfrozen since, before their first backward (``wake``)
+        self._asleep: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._wake = False
         self.ddp = DataParallel()  # the parameters of registered DDP modules: their sums averaged at the move
 
     def watch(self, output: Any, bound: Callable[[], list[torch.Tensor]]) -> Any:
@@ -267,6 +299,8 @@ class Accumulation:
             self.revive(bound())
         if self._frozen:
             self.thaw()
+        if self._wake:
+            self.wake()
         return output
 
     def sum_of(self, param: torch.Tensor) -> Sum | None:
@@ -310,6 +344,32 @@ class Accumulation:
             elif pair.low.requires_grad:
                 del self._frozen[key]
                 self.hook(pair.low, watched=False).master = weakref.ref(pair.master)
+
+    def asleep(self, optimizer: torch.optim.Optimizer) -> None:
+        """At a binding: ``optimizer`` holds frozen low-precision parameters without a master, which
+        ``wake`` hooks once they are unfrozen."""
+        self._asleep.add(optimizer)
+        self._wake = True
+
+    @compiled.eager  # once an iteration, only while a bound optimizer holds a frozen parameter without master
+    def wake(self) -> None:
+        """Hook each low-precision parameter of the optimizers ``asleep`` that requires grad now and has no
+        hook (unfrozen since its binding, where it got no master): its sum is held by the hook until the next
+        move binds it, as for a group added to a bound optimizer; an optimizer with none frozen left is
+        dropped. (The parameters an optimizer steps as masters are float32 in its groups.)"""
+        self._wake = False
+        for optimizer in list(self._asleep):
+            frozen = False
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    if not isinstance(param, torch.Tensor) or param.dtype not in LOW_PRECISION:
+                        continue
+                    if not param.requires_grad:
+                        frozen = True
+                    elif self.sum_of(param) is None:
+                        self.hook(param, watched=False)
+            if not frozen:
+                self._asleep.discard(optimizer)
 
     def clear_held(self, params: list[torch.Tensor], set_to_none: bool) -> None:
         """A bound optimizer's ``zero_grad``: the sums its hooks still hold (a group added since its last
@@ -375,7 +435,7 @@ class Accumulation:
         for number, pair in enumerate(binding.pairs):
             if pair.low.grad is not None:
                 found = self.sum_of(pair.low)
-                if found is not None and found.impl != pair.low._cdata:
+                if found is not None and found.swapped(pair.low):
                     self.revive(binding.lows())
                     raise ValueError(SWAPPED_MESSAGE.format(name=name(pair, number), dtype=pair.low.dtype))
                 ddp = torch.distributed.is_available() and torch.distributed.is_initialized()
@@ -405,6 +465,7 @@ class Accumulation:
         """At the first ``update()`` after an optimizer met the scaler (an ``update()`` before any, which
         torch's rule refuses, changes nothing): stop hooking from the scaled graphs and give the parameters
         no optimizer of the scaler binds (``bound``: their ids) back to autograd, their sum in ``.grad``."""
+        self._wake = bool(self._asleep)  # the next iteration's first scale() looks for unfrozen ones
         if not self.watching or not (bound or self.contacted):
             return
         self.watching = False

@@ -408,6 +408,8 @@ class MasterWeights:
             self._bindings[optimizer] = binding
         if self._sums is not None:
             self._sums.bind(binding, type(optimizer).__name__)
+            if any(p.dtype in LOW_PRECISION and not p.requires_grad for p in grads.iter_params(optimizer)):
+                self._sums.asleep(optimizer)  # frozen without a master: hooked at a scale() once unfrozen
         return binding
 
     def _zeroed(self, binding: Binding, ref: weakref.ReferenceType[torch.optim.Optimizer], set_to_none: bool) -> None:
