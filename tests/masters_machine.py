@@ -137,6 +137,9 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FORMS = ("list", "generator", "tensor")
 THEN = ("", "save", "save, resume")
 CLIPS = ("", "torch", "scaler", "value")
+ADAGRAD_STATE_AT_CONSTRUCTION = bool(torch.optim.Adagrad([torch.nn.Parameter(torch.zeros(1))]).state)
+"""torch 2.11 and older (2.12 not tried) make Adagrad's state in its constructor only, so a group added later has
+none and torch's own step raises ``KeyError: 'sum'``; 2.13 makes it at the first step."""
 ABSENT = "absent"  # a parameter without a master (ours) or copy (the recipe): its gradient is compared as such
 ORDERS = ("model-first", "optimizer-first", "bound-model-first", "bound-optimizer-first")
 
@@ -716,6 +719,8 @@ class MastersMachine(RuleBasedStateMachine):
     def add_param_group(self, form: str, held: bool) -> None:
         if not held and self.config.added:
             return  # added once
+        if self.make is OPTIMIZERS["adagrad"] and ADAGRAD_STATE_AT_CONSTRUCTION:
+            return  # torch's own Adagrad cannot step an added group there (KeyError: 'sum')
         if self.both("add", form, held) is None and not held:
             self.config.added = form
 
