@@ -275,16 +275,16 @@ def _ddp_rank(rank: int, world: int, store: str, shape: dict[str, int], results:
         dist.destroy_process_group()
 
 
-def ddp_section(rounds: int, world: int = 2, micro: int = 4, width: int = 128, layers: int = 6) -> dict[str, Any]:
-    """The DDP cell: ``world`` gloo processes meeting through a file (no port), each timing both systems."""
+def _run_ranks(target: Any, world: int, shape: dict[str, Any]) -> tuple[dict[str, Any] | None, list[int | None]]:
+    """``target(rank, world, store, shape, results)`` on ``world`` spawned processes meeting through a file (no
+    port); what rank 0 put on ``results`` (None if nothing came within ``DDP_WAIT_SECONDS``), and the exit codes."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    shape = {"micro": micro, "rounds": rounds, "width": width, "layers": layers}
     with tempfile.TemporaryDirectory() as folder:
         store = os.path.join(folder, "store")
-        procs = [ctx.Process(target=_ddp_rank, args=(r, world, store, shape, results)) for r in range(world)]
+        procs = [ctx.Process(target=target, args=(r, world, store, shape, results)) for r in range(world)]
         for proc in procs:
             proc.start()
         deadline = time.monotonic() + DDP_WAIT_SECONDS
@@ -303,7 +303,13 @@ def ddp_section(rounds: int, world: int = 2, micro: int = 4, width: int = 128, l
                 if proc.is_alive():
                     proc.kill()
                     proc.join(10)
-    codes = [proc.exitcode for proc in procs]
+    return got, [proc.exitcode for proc in procs]
+
+
+def ddp_section(rounds: int, world: int = 2, micro: int = 4, width: int = 128, layers: int = 6) -> dict[str, Any]:
+    """The DDP cell: ``world`` gloo processes, each timing both systems."""
+    shape = {"micro": micro, "rounds": rounds, "width": width, "layers": layers}
+    got, codes = _run_ranks(_ddp_rank, world, shape)
     cell: dict[str, Any] = {"world": world, "micro_batches": micro, "exit_codes": codes}
     if got is None:
         return {**cell, "failed": f"no result from rank 0 (exit codes {codes})"}
@@ -320,14 +326,87 @@ def ddp_section(rounds: int, world: int = 2, micro: int = 4, width: int = 128, l
     }
 
 
+def _fsdp2_rank(rank: int, world: int, store: str, shape: dict[str, Any], results: Any) -> None:
+    """One rank of ``fsdp2_section``: float32 parameters sharded by FSDP2 and computed in bfloat16
+    (``MixedPrecisionPolicy``), micro-batches without gradient sync but the last, for each ``reduce_dtype``;
+    the relative error of the gradient FSDP2 leaves (its sharded ``.grad``, gathered) against the float64
+    average over ranks of the float64 sums of each micro-batch's bfloat16 gradient (a bfloat16 copy of the
+    model: what either accumulation adds up). Rank 0 puts the errors on ``results``."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
+    )
+    width = shape["width"]
+
+    def net() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width))
+
+    def batch(micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(1000 * rank + micro)
+        return torch.randn(8, width, generator=gen), torch.randn(8, width, generator=gen)
+
+    try:
+        rows = []
+        for micro in shape["micro_batches"]:
+            copy = net().to(torch.bfloat16)
+            exact = [torch.zeros_like(p, dtype=torch.float64) for p in copy.parameters()]
+            for k in range(micro):
+                copy.zero_grad()
+                x, y = batch(k)
+                (copy(x.to(torch.bfloat16)).float() - y).square().mean().backward()
+                for total, p in zip(exact, copy.parameters(), strict=True):
+                    total += p.grad.double()  # type: ignore[union-attr]
+            for total in exact:
+                dist.all_reduce(total)
+                total /= world
+            row: dict[str, Any] = {"micro_batches": micro}
+            for reduce in (torch.float32, torch.bfloat16):
+                model = net()
+                policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce)
+                for layer in (model[0], model[2], model):
+                    fully_shard(layer, mp_policy=policy)
+                for k in range(micro):
+                    model.set_requires_gradient_sync(k == micro - 1)  # type: ignore[operator]
+                    x, y = batch(k)
+                    (model(x).float() - y).square().mean().backward()
+                got = [p.grad.full_tensor().double() for p in model.parameters()]  # type: ignore[union-attr]
+                diff = torch.linalg.vector_norm(
+                    torch.cat([(g - e).reshape(-1) for g, e in zip(got, exact, strict=True)])
+                )
+                row[str(reduce).removeprefix("torch.")] = float(
+                    diff / torch.linalg.vector_norm(torch.cat([e.reshape(-1) for e in exact]))
+                )
+            rows.append(row)
+        if rank == 0:
+            results.put({"rows": rows})
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def fsdp2_section(world: int = 2, micro_batches: tuple[int, ...] = (8, 64), width: int = 64) -> dict[str, Any]:
+    """The FSDP2 cell: what FSDP2's own ``reduce_dtype`` gives across micro-batches (our argument is refused
+    there and points at it), ``world`` gloo processes."""
+    got, codes = _run_ranks(_fsdp2_rank, world, {"micro_batches": micro_batches, "width": width})
+    cell: dict[str, Any] = {"world": world, "width": width, "exit_codes": codes}
+    if got is None:
+        return {**cell, "failed": f"no result from rank 0 (exit codes {codes})"}
+    return {**cell, "rows": got["rows"]}
+
+
 def accumulation_section(device: torch.device, steps: int, warmup: int) -> dict[str, Any]:
-    """Every cell of the five tables (``format``: ``accumulation_lines``)."""
+    """Every cell of the six tables (``format``: ``accumulation_lines``)."""
     return {
         "precision": precision_section(device, 1_000_000 if device.type == "cuda" else 2**18),
         "training": training_section(device),
         "memory": memory_section(device),
         "time": time_section(device, max(steps, 5)),
         "ddp": ddp_section(max(steps, 5)),
+        "fsdp2": fsdp2_section(),
     }
 
 
@@ -371,7 +450,7 @@ def accumulation_lines(r: dict[str, Any]) -> list[str]:
         f"accumulation {m['float32_ms'][0]:.2f} ms [{m['float32_ms'][1]:.2f}-{m['float32_ms'][2]:.2f}]; ratio "
         f"{m['ratio'][0]:.3f} [{m['ratio'][1]:.3f}-{m['ratio'][2]:.3f}].",
     ]
-    return lines + ddp_lines(r["ddp"])
+    return lines + ddp_lines(r["ddp"]) + fsdp2_lines(r["fsdp2"])
 
 
 def ddp_lines(d: dict[str, Any]) -> list[str]:
@@ -388,3 +467,24 @@ def ddp_lines(d: dict[str, Any]) -> list[str]:
         f"ratio {d['ratio'][0]:.3f} [{d['ratio'][1]:.3f}-{d['ratio'][2]:.3f}]; ranks "
         f"{'agree' if d['ranks_agree'] else 'DISAGREE'} on the weights.",
     ]
+
+
+def fsdp2_lines(d: dict[str, Any]) -> list[str]:
+    """The FSDP2 cell, reported whatever happened (a failed cell says so)."""
+    head = (
+        f"FSDP2 (accumulate_grads_in_fp32 refused there; its own setting instead), {d['world']} gloo processes, "
+        f"float32 parameters computed in bfloat16, gradient sync on the last micro-batch only"
+    )
+    if "failed" in d:
+        return ["", f"{head}: FAILED, {d['failed']}."]
+    lines = [
+        "",
+        f"{head}: relative error of the averaged gradient against a float64 sum of each micro-batch's bfloat16 "
+        "gradient:",
+        "",
+        "| micro-batches | reduce_dtype=float32 | reduce_dtype=bfloat16 |",
+        "|---|---|---|",
+    ]
+    for row in d["rows"]:
+        lines.append(f"| {row['micro_batches']} | {row['float32']:.1e} | {row['bfloat16']:.1e} |")
+    return lines
