@@ -61,7 +61,7 @@ def test_the_ddp_cell_times_both_systems_on_two_processes_and_the_ranks_agree() 
 def test_fsdp2s_own_reduce_dtype_float32_sums_in_float32_as_the_refusal_says() -> None:
     """The setting the refusal points at (``reduce_dtype=torch.float32`` with bfloat16 compute) accumulates the
     unsynced micro-batches in float32: float32 rounding only, where ``reduce_dtype=bfloat16`` sums in bfloat16
-    (measured: 1.2e-09 against 3.9e-03 at 8 micro-batches)."""
+    (benchmarks/results/cpu-2026-11-28-fsdp2-accumulation.txt, at width 64)."""
     cell = bench_accumulate.fsdp2_section(world=2, micro_batches=(8,), width=32)
     assert "failed" not in cell, cell
     assert cell["exit_codes"] == [0, 0]

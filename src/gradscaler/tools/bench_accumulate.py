@@ -1,7 +1,7 @@
 """``gradscaler bench --sections accumulation``: what ``accumulate_grads_in_fp32=True`` costs and gains.
 
-Every number comes from the library's own path (``GradScaler(master_weights=True)`` with and without
-``accumulate_grads_in_fp32``), nothing summed by hand:
+Every number but the FSDP2 cell's comes from the library's own path (``GradScaler(master_weights=True)`` with
+and without ``accumulate_grads_in_fp32``), nothing summed by hand:
 
 * ``precision``: one float16 or bfloat16 parameter of 1M values (2**18 on the CPU) receives, micro-batch
   after micro-batch, a gradient exact in its dtype (mean 0.3e-3, spread 1e-3; loss ``(p * g).sum()``), through
@@ -21,6 +21,11 @@ Every number comes from the library's own path (``GradScaler(master_weights=True
   masters alone (DDP all-reduces the bfloat16 gradients) against ``accumulate_grads_in_fp32=True`` with
   ``scaler.register_ddp`` (the scaler all-reduces the float32 sums), round-robin in the same processes;
   rank 0's times, the ratio per round, and whether the ranks ended with equal weights.
+* ``fsdp2``: FSDP2's own setting, where the argument is refused and points at it (no gradscaler involved):
+  float32 parameters sharded by ``fully_shard`` and computed in bfloat16, micro-batches without gradient
+  sync but the last, for ``reduce_dtype`` float32 and bfloat16 on 2 gloo processes; the relative error of
+  the gradient FSDP2 leaves against the float64 average over ranks of the float64 sums of each
+  micro-batch's bfloat16 gradient (a bfloat16 copy of the model, summed by hand: the reference).
 """
 
 from __future__ import annotations
@@ -345,8 +350,8 @@ def _fsdp2_rank(rank: int, world: int, store: str, shape: dict[str, Any], result
         torch.manual_seed(0)
         return nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width))
 
-    def batch(micro: int) -> tuple[torch.Tensor, torch.Tensor]:
-        gen = torch.Generator().manual_seed(1000 * rank + micro)
+    def batch(k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(1000 * rank + k)
         return torch.randn(8, width, generator=gen), torch.randn(8, width, generator=gen)
 
     try:
@@ -479,8 +484,8 @@ def fsdp2_lines(d: dict[str, Any]) -> list[str]:
         return ["", f"{head}: FAILED, {d['failed']}."]
     lines = [
         "",
-        f"{head}: relative error of the averaged gradient against a float64 sum of each micro-batch's bfloat16 "
-        "gradient:",
+        f"{head}, width {d['width']}: relative error of the gradient against the float64 average over ranks of "
+        "the float64 sums of each micro-batch's bfloat16 gradient:",
         "",
         "| micro-batches | reduce_dtype=float32 | reduce_dtype=bfloat16 |",
         "|---|---|---|",
