@@ -3,8 +3,9 @@
 Runs ``masters_machine.MastersMachine`` (every rule against the recipe by hand, bit for bit) for ``--examples``
 sequences of up to ``--steps`` rules each, drawn from ``--seed``;
 CI runs a fixed budget (tests/test_masters_machine.py).
-On a broken invariant Hypothesis shrinks the sequence and prints it as calls (``state.rule(...)``), and the script
-exits non-zero; otherwise it prints how many sequences held and how long they took.
+On a broken invariant Hypothesis shrinks the sequence (``--no-shrink``: not, for a quick yes or no) and prints it
+as calls (``state.rule(...)``), and the script exits non-zero; otherwise it prints how many sequences held and how
+long they took.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
-from hypothesis import HealthCheck, seed, settings
+from hypothesis import HealthCheck, Phase, seed, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from masters_machine import MastersMachine
@@ -28,12 +29,18 @@ def main() -> int:
     parser.add_argument("--examples", type=int, default=200, help="sequences to run (default 200)")
     parser.add_argument("--steps", type=int, default=60, help="rules per sequence at most (default 60)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the draws (default 0)")
+    parser.add_argument(
+        "--no-shrink",
+        action="store_true",
+        help="report the first failing sequence as drawn (seconds, where shrinking can take five minutes)",
+    )
     args = parser.parse_args()
     budget = settings(
         max_examples=args.examples,
         stateful_step_count=args.steps,
         deadline=None,
         database=None,
+        phases=(Phase.explicit, Phase.reuse, Phase.generate) if args.no_shrink else tuple(Phase),
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
     )
     torch.set_num_threads(1)  # tiny tensors: two threads wait for each other at every operation on a loaded machine
