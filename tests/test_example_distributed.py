@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -24,8 +25,14 @@ def test_the_example_prints_one_line_per_rank_a_step_in_rank_order() -> None:
         text=True,
         check=False,
     )
-    assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
+    if done.returncode != 0:
+        # torch's gloo sometimes aborts a process at interpreter exit, after destroy_process_group, every line
+        # printed ("terminate called without an active exception": 2 of 12 and 1 of 14 runs here; a barrier
+        # before the teardown did not help): reported as dist_launch reports a rank's crash in teardown
+        teardown = "terminate called without an active exception" in done.stderr and len(lines) == 2 * STEPS
+        assert teardown, done.stderr[-3000:]
+        warnings.warn(f"torchrun exited {done.returncode} after the run, in gloo's teardown", stacklevel=1)
     expected = [(rank, step) for step in range(STEPS) for rank in (0, 1)]
     found = [re.match(r"rank (\d) step (\d+): loss [\d.]+ norm (?:[\d.]+|inf) scale \d+( SKIPPED)?$", t) for t in lines]
     assert all(found), lines
