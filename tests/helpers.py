@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +15,17 @@ OPTIMIZERS = ("sgd", "adam", "adamw", "adagrad")
 TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 """(major, minor) of the torch under test: CI tests 2.13; ``make test-older-torch`` an older one (README.md)."""
 MODES = ("forloop", "foreach", "fused")
+
+
+@contextlib.contextmanager
+def swap_future(on: bool) -> Iterator[None]:
+    """torch's ``set_swap_module_params_on_conversion(on)`` for the block, restored after it."""
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(on)
+    try:
+        yield
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
 
 
 def make_model(kind: str, seed: int = 0) -> nn.Module:

@@ -96,10 +96,9 @@ wrote the master into the parameter: found here, fixed by ``Pair.copy_back``, dr
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import io
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,6 +110,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 from gradscaler import GradScaler
 from gradscaler.masters import SAVED_KEY
 from gradscaler.masters.checkpoint import rounds_to
+from helpers import swap_future
 from masters_net import LOW_LAYERS, Net, loss_of
 from recipe import Boom, Copies, Fp32Copies, Fp32Recipe, MakeOptimizer, Ours, Recipe, System, untouched
 
@@ -149,17 +149,6 @@ ADAGRAD_STATE_AT_CONSTRUCTION = bool(torch.optim.Adagrad([torch.nn.Parameter(tor
 none and torch's own step raises ``KeyError: 'sum'``; 2.13 makes it at the first step."""
 ABSENT = "absent"  # a parameter without a master (ours) or copy (the recipe): its gradient is compared as such
 ORDERS = ("model-first", "optimizer-first", "bound-model-first", "bound-optimizer-first")
-
-
-@contextlib.contextmanager
-def swap_future(on: bool) -> Iterator[None]:
-    """torch's ``set_swap_module_params_on_conversion(on)`` for the block, restored after it."""
-    before = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(on)
-    try:
-        yield
-    finally:
-        torch.__future__.set_swap_module_params_on_conversion(before)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

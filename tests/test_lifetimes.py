@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from gradscaler import GradScaler
+from helpers import swap_future
 
 
 def trial(scaler: GradScaler, mode: str, seed: int) -> tuple[list[weakref.ref], nn.Module, torch.optim.Optimizer]:
@@ -74,9 +75,7 @@ def test_a_new_parameter_never_inherits_a_dead_ones_name() -> None:
 def test_naming_a_module_keeps_no_weak_reference_to_its_parameters_and_names_them_after_a_swap() -> None:
     """``name_parameters(model)`` held each parameter weakly, so ``model.float()`` under torch's
     swap-tensors future (``torch.utils.swap_tensors`` refuses a weakly referenced tensor) failed."""
-    before = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(True)
-    try:
+    with swap_future(True):
         model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
         scaler = GradScaler("cpu")
         scaler.name_parameters(model)
@@ -89,8 +88,6 @@ def test_naming_a_module_keeps_no_weak_reference_to_its_parameters_and_names_the
         scaler.step(opt)
         scaler.update()
         assert scaler.nonfinite_parameters() == ["2.weight"]
-    finally:
-        torch.__future__.set_swap_module_params_on_conversion(before)
     assert weakref.getweakrefs(model[0].weight) == []
     ref = weakref.ref(model)
     del model, opt

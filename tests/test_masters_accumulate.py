@@ -18,7 +18,7 @@ from torch import nn
 
 from gradscaler import GradScaler
 from gradscaler.tools.compiled_step import Shape, breaks, build, drive, inputs, recompiles
-from helpers import TORCH_VERSION
+from helpers import TORCH_VERSION, swap_future
 from recipe import (
     OPTIMIZERS,
     SCALER_ARGS,
@@ -261,14 +261,10 @@ def test_a_dtype_round_trip_with_the_swap_future_on_or_off_equals_the_recipe(swa
     """torch's swap-tensors future replaces each parameter's tensor (which refuses a weakly referenced
     parameter and leaves its hooks behind): the scaler holds no weak reference to a parameter and hooks
     the swapped ones again at the next ``scale()``."""
-    before = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(swap)
-    try:
+    with swap_future(swap):
         ours, reference = pair("adamw_foreach")
         assert_same(ours, reference, range(7), 4, clip=1.0, between=round_trip)
         assert all(p.grad is None for p in ours.model.parameters() if p.dtype == torch.float16)
-    finally:
-        torch.__future__.set_swap_module_params_on_conversion(before)
 
 
 def save(system: System) -> bytes:
@@ -790,9 +786,7 @@ def test_a_frozen_parameter_swapped_under_the_future_is_hooked_again_once_unfroz
     cannot be hooked again at the next ``scale()`` (torch refuses a hook on a tensor that does not require
     grad: it raised that from the backward, found by the state machine); it is hooked at the first
     ``scale()`` after it is unfrozen, and sums in float32 from then on, as the recipe's copy does."""
-    before = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(True)
-    try:
+    with swap_future(True):
         ours, reference = pair("adamw_foreach")
         trace, expected = run(ours, range(2), 2, new_trace()), run(reference, range(2), 2, new_trace())
         for system in (ours, reference):
@@ -805,8 +799,6 @@ def test_a_frozen_parameter_swapped_under_the_future_is_hooked_again_once_unfroz
         assert_same_trace(run(ours, range(4, 7), 2, trace), run(reference, range(4, 7), 2, expected))
         assert ours.model.head.weight.grad is None  # summed in float32, not by autograd
         assert_same_state(ours.optimizer, reference.optimizer)
-    finally:
-        torch.__future__.set_swap_module_params_on_conversion(before)
 
 
 def test_a_swap_round_trip_whose_new_tensor_gets_the_old_address_is_hooked_again() -> None:
@@ -814,9 +806,7 @@ def test_a_swap_round_trip_whose_new_tensor_gets_the_old_address_is_hooked_again
     the scaler hooked, and the second may be given its address back (the allocator's choice: found by the
     state machine, order-dependent), so the address alone does not tell that the hook is dead. Here the
     address is handed back by hand: the sums must still be hooked again, as the recipe's copies sum."""
-    before = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(True)
-    try:
+    with swap_future(True):
         ours, reference = pair("adamw_foreach")
         trace, expected = run(ours, range(2), 2, new_trace()), run(reference, range(2), 2, new_trace())
         for system in (ours, reference):
@@ -830,8 +820,6 @@ def test_a_swap_round_trip_whose_new_tensor_gets_the_old_address_is_hooked_again
         assert_same_trace(run(ours, range(2, 5), 2, trace), run(reference, range(2, 5), 2, expected))
         assert all(p.grad is None for p in hooked)  # summed in float32, not by autograd
         assert_same_state(ours.optimizer, reference.optimizer)
-    finally:
-        torch.__future__.set_swap_module_params_on_conversion(before)
 
 
 @pytest.mark.parametrize("accumulate", [False, True], ids=["autograd_sums", "fp32_sums"])

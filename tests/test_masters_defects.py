@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 
 from gradscaler import GradScaler
 from gradscaler.masters import SAVED_KEY
+from helpers import swap_future
 from masters_net import LOW_LAYERS, Net, loss_of
 from recipe import MakeOptimizer, Ours, Recipe, System, assert_same_state, assert_same_trace, new_trace, record
 
@@ -210,10 +211,8 @@ def convert(systems: tuple[System, ...], dtype: torch.dtype) -> None:
 @pytest.fixture(params=[False, True], ids=["assign", "swap"])
 def swap(request: pytest.FixtureRequest) -> Any:
     """torch's future ``set_swap_module_params_on_conversion``, off and on (restored after the test)."""
-    before = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(request.param)
-    yield request.param
-    torch.__future__.set_swap_module_params_on_conversion(before)
+    with swap_future(request.param):
+        yield request.param
 
 
 def test_torchs_clipping_recipe_reaches_the_masters_after_model_float(swap: bool) -> None:
@@ -302,13 +301,9 @@ def test_a_round_trip_whose_new_storage_lands_at_the_old_address_keeps_the_maste
         landed.copy_(t.half().reshape(-1))
         return landed.view(first.shape)
 
-    before = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(True)  # the parameter takes the new tensor's version too
-    try:
+    with swap_future(True):  # the parameter takes the new tensor's version too
         layer.bfloat16()
         layer._apply(half)
-    finally:
-        torch.__future__.set_swap_module_params_on_conversion(before)
     weight = layer.weight
     assert weight.dtype == torch.float16 and weight.data_ptr() == first.data_ptr()
     assert weight.untyped_storage()._cdata != first.untyped_storage()._cdata
