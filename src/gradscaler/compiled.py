@@ -64,14 +64,18 @@ def prepare() -> None:
     from its ``__module__`` and ``__qualname__``), by its ``torch.compiler.disable`` wrapper. Without
     Dynamo (a Python that ``torch._dynamo`` refuses) nothing can be traced, and they stay as they are."""
     with _lock:
+        # an older torch (2.4) takes no ``reason``: leave the word out, not the marks
+        why = (
+            {"reason": REASON}
+            if _unapplied and "reason" in inspect.signature(torch.compiler.disable).parameters
+            else {}
+        )
         while _unapplied:
             method = _unapplied[-1]
             owner: Any = sys.modules[method.__module__]
             *path, name = method.__qualname__.split(".")
             for part in path:
                 owner = getattr(owner, part)
-            # an older torch (2.4) takes no ``reason``: leave the word out, not the marks
-            why = {"reason": REASON} if "reason" in inspect.signature(torch.compiler.disable).parameters else {}
             try:
                 wrapped = torch.compiler.disable(method, recursive=getattr(method, _MARK) == "eager", **why)
             except Exception:  # torch._dynamo failed to import: nothing compiles in this process

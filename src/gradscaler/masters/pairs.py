@@ -83,7 +83,7 @@ class Pair:
         rounding of its master (``exact`` False) then keeps its values, as the recipe's skipped step does."""
         if skipped is None or self.exact:
             self.low.copy_(self.master)
-            self.exact = skipped is None or self.exact
+            self.exact = True  # its master rounded, whether the step was applied or skipped
         else:
             flag = skipped.to(self.low.device, non_blocking=True).bool()
             self.low.copy_(torch.where(flag, self.low, self.master))
