@@ -96,9 +96,11 @@ wrote the master into the parameter: found here, fixed by ``Pair.copy_back``, dr
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -477,6 +479,7 @@ def outcome(call: Callable[[], Any]) -> tuple[Any, str | None]:
 class MastersMachine(RuleBasedStateMachine):
     ours: OursSide
     reference: Reference
+    ended: Callable[[], None] | None = None  # called after every sequence (progress in CI and in the soak script)
 
     def __init__(self) -> None:
         super().__init__()
@@ -489,6 +492,8 @@ class MastersMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         torch.__future__.set_swap_module_params_on_conversion(self.future)
+        if MastersMachine.ended is not None:
+            MastersMachine.ended()
 
     # set-up ----------------------------------------------------------------------------------------------------
 
@@ -948,3 +953,23 @@ def assert_fingerprint(before: list[Any], after: list[Any]) -> None:
                 assert same_bits(x, y) if isinstance(x, torch.Tensor) else x == y, f"refused, yet changed: {index}"
         else:
             assert b is None, f"refused, yet changed: {index}"
+
+
+@contextlib.contextmanager
+def progress(say: Callable[[str], None], budget: int, every: int = 100) -> Iterator[None]:
+    """While open, ``say`` gets a line every ``every`` sequences the machine has run (past ``budget``: the runs
+    of Hypothesis's shrinking of a failure), so that a run of minutes shows where it is."""
+    started, count = time.perf_counter(), 0
+
+    def ended() -> None:
+        nonlocal count
+        count += 1
+        if count % every == 0:
+            where = f"of {budget}" if count <= budget else f"({budget} drawn, the rest shrinking a failure)"
+            say(f"masters machine: {count} sequences {where}, {time.perf_counter() - started:.0f} s")
+
+    MastersMachine.ended = ended
+    try:
+        yield
+    finally:
+        MastersMachine.ended = None

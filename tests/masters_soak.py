@@ -5,7 +5,7 @@ sequences of up to ``--steps`` rules each, drawn from ``--seed``;
 CI runs a fixed budget (tests/test_masters_machine.py).
 On a broken invariant Hypothesis shrinks the sequence (``--no-shrink``: not, for a quick yes or no) and prints it
 as calls (``state.rule(...)``), and the script exits non-zero; otherwise it prints how many sequences held and how
-long they took.
+long they took. A line every 100 sequences says how far it is.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 from hypothesis import HealthCheck, Phase, seed, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from masters_machine import MastersMachine
+from masters_machine import MastersMachine, progress
 
 
 def main() -> int:
@@ -45,7 +45,8 @@ def main() -> int:
     )
     torch.set_num_threads(1)  # tiny tensors: two threads wait for each other at every operation on a loaded machine
     started = time.perf_counter()
-    run_state_machine_as_test(seed(args.seed)(MastersMachine), settings=budget)
+    with progress(lambda line: print(line, flush=True), args.examples):
+        run_state_machine_as_test(seed(args.seed)(MastersMachine), settings=budget)
     seconds = time.perf_counter() - started
     print(f"{args.examples} sequences of up to {args.steps} rules (seed {args.seed}): held ({seconds:.0f} s)")
     return 0

@@ -7,18 +7,37 @@ fails in 3 or 4 rules by hand, but the 300 draws do not reach it) and 600 find a
 for this test, restored after): the machine's tensors are tiny, and on a loaded machine two threads spend their time
 waiting for each other at every operation (60 sequences at a load of 3.5: 5.3 s of CPU with one thread, 82 to 120 s
 with two). A run that finds a defect takes longer, shrinking it (Hypothesis stops shrinking after five minutes).
+A line on the terminal every 100 sequences says how far it is.
 ``python tests/masters_soak.py --examples N --seed S`` runs more.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-from masters_machine import MastersMachine
+from masters_machine import MastersMachine, progress
 
 EXAMPLES = 600
 STEPS = 50
+
+
+@pytest.fixture(autouse=True)
+def progress_on_the_terminal(request: pytest.FixtureRequest):
+    """A line on the terminal every 100 sequences (a minute here, several on a loaded machine, else one dot)."""
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    if reporter is None or capture is None:
+        yield
+        return
+
+    def say(line: str) -> None:
+        with capture.global_and_fixture_disabled():
+            reporter.write_line(f"  {line}")
+
+    with progress(say, EXAMPLES):
+        yield
 
 
 class TestMastersMachine(MastersMachine.TestCase):  # type: ignore[misc,name-defined]
@@ -37,3 +56,16 @@ class TestMastersMachine(MastersMachine.TestCase):  # type: ignore[misc,name-def
 
     def tearDown(self) -> None:
         torch.set_num_threads(self.threads)
+
+
+def test_progress_says_a_line_every_hundred_sequences_and_names_the_shrinking_runs() -> None:
+    lines: list[str] = []
+    with progress(lines.append, budget=3, every=2):
+        for _ in range(5):
+            assert MastersMachine.ended is not None
+            MastersMachine.ended()
+    assert MastersMachine.ended is None
+    assert [line.rsplit(",", 1)[0] for line in lines] == [
+        "masters machine: 2 sequences of 3",
+        "masters machine: 4 sequences (3 drawn, the rest shrinking a failure)",
+    ]
