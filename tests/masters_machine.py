@@ -49,10 +49,11 @@ Not driven (named, as the issue asks): a change of dtype between ``unscale_`` an
 gradients after the user's ``unscale_`` and the conversion rewrites them, which ``step`` refuses: documented);
 a cast to float32 while a loaded checkpoint's masters wait for their parameters' first move (the layer
 then continues from its master as a float32 parameter, with a ``ContinuedWarning``: documented for peft's
-adapters; casts to float16 and bfloat16 there are driven, which reaches issue 35's defect 5); with float32
-accumulation, a conversion under the swap future in a first iteration (of a run or a fresh resume) after a
-backward and before the optimizer's first contact (``first_hooks_held``: the parameters met in that scaled graph
-are held weakly, which torch's swap refuses; documented, found here once casts after fresh loads were driven);
+adapters; casts to float16 and bfloat16 there are driven, round trips too, which reaches issue 35's defect 5);
+with float32 accumulation, a conversion under the swap future of a layer whose parameters a first iteration (of a
+run or a fresh resume) met in a scaled graph before the optimizer's first contact (``first_hooks_held``: they are
+held weakly, which torch's swap refuses; documented, found here once casts after fresh loads were driven; the
+other layers convert);
 a change of dtype of a layer added by ``add_param_group`` before its first move (the
 recipe builds its copy when the group is added, ours at the next move: documented);
 loads of a checkpoint into bound objects whose layers
@@ -668,7 +669,7 @@ class MastersMachine(RuleBasedStateMachine):
     def convert(self, layers: tuple[str, ...], dtype: torch.dtype, swap: bool) -> None:
         if dtype == torch.float32 and self.loaded_waiting():
             return  # the layer would continue from its saved master as a float32 parameter (documented)
-        if self.accumulate and (swap or self.swap_run) and self.first_hooks_held():
+        if self.accumulate and (swap or self.swap_run) and self.first_hooks_held(layers):
             return  # torch's swap refuses them (documented: convert before training or between steps)
         if self.accumulate and (swap or self.swap_run):
             # with float32 sums a loop keeps the swap-tensors future on for the run once it turns it on
@@ -681,7 +682,7 @@ class MastersMachine(RuleBasedStateMachine):
         for name in layers:
             self.config.dtypes[name] = dtype
 
-    @precondition(lambda self: self.phase != "moved" and not self.extra_waiting() and not self.loaded_waiting())
+    @precondition(lambda self: self.phase != "moved" and not self.extra_waiting())
     @rule(
         layers=st.sampled_from([("block",), LOW_LAYERS]),
         via=st.sampled_from(DTYPES),
@@ -701,14 +702,17 @@ class MastersMachine(RuleBasedStateMachine):
         for name, dtype in before.items():
             self.convert((name,), dtype, swap)
 
-    def first_hooks_held(self) -> bool:
-        """Whether ours holds weakly, with float32 sums, parameters it met in a scaled graph of its first
-        iteration (of a run or a fresh resume) and has not bound yet (so that a model thrown away then is
-        freed): ``torch.utils.swap_tensors`` refuses a weakly referenced tensor, so a conversion under the swap
-        future fails there with torch's error (documented in docs/migration.md, found by this machine once
-        casts were driven after fresh loads)."""
+    def first_hooks_held(self, layers: tuple[str, ...]) -> bool:
+        """Whether ours holds weakly, with float32 sums, a parameter of ``layers`` that it met in a scaled graph
+        of its first iteration (of a run or a fresh resume) and has not bound yet (so that a model thrown away
+        then is freed): ``torch.utils.swap_tensors`` refuses a weakly referenced tensor, so a conversion of that
+        layer under the swap future fails there with torch's error (documented in docs/migration.md, found by
+        this machine once casts were driven after fresh loads); the other layers convert."""
         sums = self.ours.system.scaler._masters._sums
-        return sums is not None and len(sums._watched) > 0
+        if sums is None:
+            return False
+        model = self.ours.system.model
+        return any(param in sums._watched for name in layers for param in getattr(model, name).parameters())
 
     def loaded_waiting(self) -> bool:
         """Whether a loaded checkpoint's masters wait in ours' groups for parameters without one yet: a layer

@@ -879,3 +879,27 @@ def test_a_layer_frozen_at_the_binding_and_unfrozen_later_sums_in_float32_from_i
     run(reference, range(2, 3), 4, expected)
     assert_same_trace(run(ours, range(3, 6), 4, trace), run(reference, range(3, 6), 4, expected))
     assert_same_state(ours.optimizer, reference.optimizer)
+
+
+def test_a_layer_frozen_at_the_binding_and_unfrozen_between_micro_batches_sums_in_float32_from_then_on() -> None:
+    """As above, unfrozen between two micro-batches of a later iteration (a loop that unfreezes at a set
+    micro-batch count): its next backward's gradient goes into the float32 sum, not into ``p.grad`` for autograd
+    to add the rest in float16 (found by the state machine: the check ran at the iteration's first ``scale()``
+    only)."""
+    ours, reference = pair("adamw_foreach")
+    for system in (ours, reference):
+        system.model.head.requires_grad_(False)
+    trace, expected = run(ours, range(2), 4, new_trace()), run(reference, range(2), 4, new_trace())
+    for system, out in ((ours, trace), (reference, expected)):
+        system.zero_grad("optimizer", True)
+        for micro in range(4):
+            if micro == 2:
+                system.model.head.requires_grad_(True)
+            system.backward(micro_loss(system, 2, micro, 4))
+            if micro == 2 and system is ours:
+                assert ours.model.head.weight.grad is None  # in the float32 sum, not accumulated by autograd
+        system.step()
+        system.update()
+        record(system, out)
+    assert_same_trace(run(ours, range(3, 6), 4, trace), run(reference, range(3, 6), 4, expected))
+    assert_same_state(ours.optimizer, reference.optimizer)

@@ -14,8 +14,9 @@ iteration's tensor when it is still there: no second float32 buffer); before the
 iteration: masters are bound at the scaler's first contact with the optimizer, after its micro-batches)
 in the hook itself, which the binding hands to the master. Which parameters get hooks: those the
 scaler meets in the graph of a ``scale(loss)`` output (its ``AccumulateGrad`` leaves that are float16 or
-bfloat16 ``nn.Parameter``s) until the first ``update()``, every parameter a master is bound to, and
-those a bound optimizer's ``add_param_group`` adds. A parameter hooked from the graph that no optimizer
+bfloat16 ``nn.Parameter``s) until the first ``update()``, every parameter a master is bound to,
+those a bound optimizer's ``add_param_group`` adds, and those a bound optimizer held frozen without a
+master once they are unfrozen (at the next ``scale()``). A parameter hooked from the graph that no optimizer
 of the scaler binds by then gets its gradient back in its dtype at that ``update()`` (held weakly until
 then: a model thrown away in the first iteration goes).
 
@@ -29,6 +30,7 @@ reduce-scatters each backward's gradient itself: its ``reduce_dtype`` is the set
 from __future__ import annotations
 
 import itertools
+import operator
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -124,6 +126,7 @@ LATE_MESSAGE = (
 # swap-tensors future) may get the first one's address back, hooks dead (found by the state machine).
 HOOKED_KEY = "_gradscaler_sum_token"
 _TOKENS = itertools.count()
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 class Sum:
@@ -281,9 +284,11 @@ class Accumulation:
         # bound pairs whose parameter was frozen at the binding (torch refuses a hook on a tensor that does
         # not require grad), weakly by id: hooked at the first scale() after they are unfrozen
         self._frozen: dict[int, weakref.ReferenceType[Any]] = {}
-        # bound optimizers holding frozen low-precision parameters that got no master (no state then): each
-        # iteration's first scale() hooks those unfrozen since, before their first backward (``wake``)
-        self._asleep: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        # bound optimizers holding frozen low-precision parameters that got no master (no state then) -> those
+        # parameters as the last look through its groups found them: each iteration's first scale() looks
+        # through the groups again (``wake``), every other scale() at those parameters only (``stir``), and
+        # hooks the ones unfrozen since, before their next backward
+        self._asleep: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[torch.Tensor]] = weakref.WeakKeyDictionary()
         self._wake = False
         self.ddp = DataParallel()  # the parameters of registered DDP modules: their sums averaged at the move
 
@@ -301,6 +306,8 @@ class Accumulation:
             self.thaw()
         if self._wake:
             self.wake()
+        elif self._asleep:
+            self.stir()
         return output
 
     def sum_of(self, param: torch.Tensor) -> Sum | None:
@@ -348,28 +355,43 @@ class Accumulation:
     def asleep(self, optimizer: torch.optim.Optimizer) -> None:
         """At a binding: ``optimizer`` holds frozen low-precision parameters without a master, which
         ``wake`` hooks once they are unfrozen."""
-        self._asleep.add(optimizer)
+        self._asleep.setdefault(optimizer, [])
         self._wake = True
 
     @compiled.eager  # once an iteration, only while a bound optimizer holds a frozen parameter without master
     def wake(self) -> None:
         """Hook each low-precision parameter of the optimizers ``asleep`` that requires grad now and has no
         hook (unfrozen since its binding, where it got no master): its sum is held by the hook until the next
-        move binds it, as for a group added to a bound optimizer; an optimizer with none frozen left is
-        dropped. (The parameters an optimizer steps as masters are float32 in its groups.)"""
+        move binds it, as for a group added to a bound optimizer; keep the frozen ones for ``stir``; an
+        optimizer with none frozen left is dropped. (The parameters an optimizer steps as masters are float32
+        in its groups.)"""
         self._wake = False
-        for optimizer in list(self._asleep):
-            frozen = False
+        for optimizer in list(self._asleep.keys()):
+            frozen = []
             for group in optimizer.param_groups:
                 for param in group["params"]:
                     if not isinstance(param, torch.Tensor) or param.dtype not in LOW_PRECISION:
                         continue
                     if not param.requires_grad:
-                        frozen = True
+                        frozen.append(param)
                     elif self.sum_of(param) is None:
                         self.hook(param, watched=False)
-            if not frozen:
-                self._asleep.discard(optimizer)
+            if frozen:
+                self._asleep[optimizer] = frozen
+            else:
+                del self._asleep[optimizer]
+
+    @compiled.eager  # only while a bound optimizer holds a frozen parameter without master
+    def stir(self) -> None:
+        """At a ``scale()`` inside an iteration: hook each parameter ``wake`` found frozen that requires grad now
+        (unfrozen between two micro-batches: its next backward sums in float32, as the recipe's copy does)."""
+        for optimizer, frozen in list(self._asleep.items()):
+            if not any(map(_REQUIRES_GRAD, frozen)):  # the usual case: a C loop, about 15 ns a parameter
+                continue
+            for param in frozen:
+                if param.requires_grad and self.sum_of(param) is None:
+                    self.hook(param, watched=False)
+            self._asleep[optimizer] = [param for param in frozen if not param.requires_grad]
 
     def clear_held(self, params: list[torch.Tensor], set_to_none: bool) -> None:
         """A bound optimizer's ``zero_grad``: the sums its hooks still hold (a group added since its last
