@@ -600,16 +600,29 @@ class MastersMachine(RuleBasedStateMachine):
         bad=st.sampled_from(["", "", "inf", "nan"]),
         where=st.integers(0, 3),
         without_block=st.sets(st.integers(0, 3), max_size=4),
+        thaw=st.booleans(),
     )
     def accumulation(
-        self, micro: int, zero: str, set_to_none: bool, clip: str, bad: str, where: int, without_block: set[int]
+        self,
+        micro: int,
+        zero: str,
+        set_to_none: bool,
+        clip: str,
+        bad: str,
+        where: int,
+        without_block: set[int],
+        thaw: bool,
     ) -> None:
         """An iteration of ``micro`` micro-batches, as a loop with gradient accumulation writes it: ``zero_grad``
         (``zero``, ``set_to_none``), the backwards (``bad`` injected into micro-batch ``where``; ``block`` left out
-        of the micro-batches in ``without_block``, so that it gets a gradient in some, all or none), the
+        of the micro-batches in ``without_block``, so that it gets a gradient in some, all or none; ``thaw``: the
+        first frozen layer unfrozen before the second, as a schedule counting micro-batches does), the
         clipping, ``step``, ``update``."""
         self.zero_grad(zero, set_to_none)
         for number in range(micro):
+            frozen = [name for name in ("inp", "block", "head") if not self.config.trainable[name]]
+            if thaw and number == 1 and frozen:
+                self.freeze(frozen[0], True)
             self.backward(
                 use_block=number not in without_block, inject=bad if number == where % micro else "", layer="inp"
             )
@@ -674,10 +687,13 @@ class MastersMachine(RuleBasedStateMachine):
 
     # the model -------------------------------------------------------------------------------------------------
 
-    @rule(layer=st.sampled_from(["inp", "block", "head"]), trainable=st.booleans())
+    @rule(layer=st.sampled_from(["inp", "block", "head", "all"]), trainable=st.booleans())
     def freeze(self, layer: str, trainable: bool) -> None:
-        self.both("freeze", layer, trainable)
-        self.config.trainable[layer] = trainable
+        """``layer``'s ``requires_grad_(trainable)``; ``all``: every float16 layer of the base model (a warm-up
+        that trains the float32 LayerNorm only, so that a binding then has nothing to master)."""
+        for name in ("inp", "block", "head") if layer == "all" else (layer,):
+            self.both("freeze", name, trainable)
+            self.config.trainable[name] = trainable
 
     @precondition(lambda self: self.phase != "moved" and not self.extra_waiting())
     @rule(
@@ -983,15 +999,16 @@ def assert_fingerprint(before: list[Any], after: list[Any]) -> None:
 
 @contextlib.contextmanager
 def progress(say: Callable[[str], None], budget: int, every: int = 100) -> Iterator[None]:
-    """While open, ``say`` gets a line every ``every`` sequences the machine has run (past ``budget``: the runs
-    of Hypothesis's shrinking of a failure), so that a run of minutes shows where it is."""
+    """While open, ``say`` gets a line every ``every`` sequences the machine has run (Hypothesis also runs some
+    it discards, and shrinks a failure: the count can pass ``budget``), so that a run of minutes shows where it
+    is."""
     started, count = time.perf_counter(), 0
 
     def ended() -> None:
         nonlocal count
         count += 1
         if count % every == 0:
-            where = f"of {budget}" if count <= budget else f"({budget} drawn, the rest shrinking a failure)"
+            where = f"of {budget}" if count <= budget else f"({budget} to draw; Hypothesis also ran some it discards)"
             say(f"masters machine: {count} sequences {where}, {time.perf_counter() - started:.0f} s")
 
     MastersMachine.ended = ended

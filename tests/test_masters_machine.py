@@ -67,5 +67,5 @@ def test_progress_says_a_line_every_hundred_sequences_and_names_the_shrinking_ru
     assert MastersMachine.ended is None
     assert [line.rsplit(",", 1)[0] for line in lines] == [
         "masters machine: 2 sequences of 3",
-        "masters machine: 4 sequences (3 drawn, the rest shrinking a failure)",
+        "masters machine: 4 sequences (3 to draw; Hypothesis also ran some it discards)",
     ]
