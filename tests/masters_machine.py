@@ -21,8 +21,9 @@ backward ``copy.grad = p.grad.float()`` on the iteration's first gradient, ``cop
 Rules: ``backward`` (a batch, with or without the ``block`` layer, i.e. a parameter without a gradient, with or
 without an inf or NaN injected into one layer's gradient), ``unscale_``, ``scaler.clip_grad_norm_``, torch's
 ``clip_grad_norm_`` over ``model.parameters()``, ``step``, ``update``, ``zero_grad`` from the optimizer or the model
-with ``set_to_none`` both ways, freezing and unfreezing a layer, switching one layer or all of them to float16,
-bfloat16 or float32 with torch's swap-tensors future on or off, a round trip through another dtype and back
+with ``set_to_none`` both ways, freezing and unfreezing a layer or every float16 layer at once, switching one
+layer or all of them to float16, bfloat16 or float32 with torch's swap-tensors future on or off, a round trip
+through another dtype and back
 (a bfloat16 evaluation: ``model.bfloat16()``, ``model.half()``, with nothing or a skipped step between),
 ``add_param_group`` in torch's forms (a list, a generator, one tensor per group) and one holding a parameter the
 optimizer has (refused as torch refuses it),
@@ -33,7 +34,8 @@ iterations, into the bound objects, each optionally followed at once by a save,
 ``get_optimizer_state_dict``/``set_optimizer_state_dict`` (refused), and arming an exception inside the next
 ``optimizer.step``; and three rules that are sequences of the others, so that the flows users write lie within a
 small budget's reach: ``iteration`` (``zero_grad``, backward, a clipping, ``step``, ``update``), ``accumulation``
-(``zero_grad`` from either side, both ways, then 2 to 4 backwards, an inf or NaN in one of them, ``block`` without
+(``zero_grad`` from either side, both ways, then 2 to 4 backwards, a frozen layer unfrozen after the first of them
+or not, an inf or NaN in one of them, ``block`` without
 a gradient in some, all or none of them, a clipping, ``step``, ``update``) and ``save_and_resume`` (a checkpoint
 now and a new process resuming from it). Optimizers: AdamW (foreach, behind five subclasses that override
 ``state_dict``, as wrappers stack), fused AdamW, SGD with momentum, Adagrad; starting scales 2**14 (applied steps)
