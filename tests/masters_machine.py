@@ -66,6 +66,11 @@ the user's ``unscale_``, which ``step`` refuses: documented; even ``optimizer.ze
 masters' too); loads into the bound objects inside an iteration (they happen between iterations here, and a load
 clears the gradients on both sides as the loop's next ``zero_grad`` would); ``model.zero_grad`` with parameters
 outside the optimizer (every parameter of ``Net`` that has a gradient is the optimizer's);
+a run whose first iteration (the binding) has every float16 layer frozen (tried as ``start(warm_up=True)``: the
+model does not hold there, since the recipe's copies exist from its construction while ours' masters are made at
+the binding, so a cast before it rounds ours', as for ``extra`` below; and an optimizer resumed fresh from such a
+run's checkpoint is unknown to the scaler until its first contact, so the distributed-checkpoint helpers run on it
+as on any optimizer; ``freeze("all")`` after the first iteration is driven);
 the retry of a fused optimizer's step that raised after every gradient was cleared, against torch's scaler
 (``rechecks_nothing``: torch's ``update`` asserts, ours counts a clean step: documented);
 ``torch.nn.utils.clip_grad_value_`` over ``model.parameters()`` without float32 accumulation (``step`` refuses

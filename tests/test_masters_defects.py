@@ -175,6 +175,23 @@ def test_the_distributed_checkpoint_helpers_are_refused_before_they_step_an_opti
     assert not ours.optimizer.state
 
 
+@pytest.mark.parametrize("helper", list(HELPERS))
+def test_the_refusal_holds_while_every_float16_layer_is_frozen_and_nothing_is_bound_yet(helper: str) -> None:
+    """A warm-up that trains the float32 LayerNorm only: at the scaler's contacts nothing needs a master yet,
+    but the optimizer holds the float16 layers that will get them once unfrozen. The helpers are refused then
+    too (they were run: found by the state machine's ``start(warm_up=True)``), changing nothing."""
+    ours = ours_with()
+    for p in ours.model.parameters():
+        if p.dtype == torch.float16:
+            p.requires_grad_(False)
+    iterate(ours, range(2), new_trace())
+    assert not ours.scaler.master_weights(ours.optimizer)  # nothing bound
+    before = fingerprint(ours)
+    with pytest.raises(ValueError, match=r"torch.distributed.checkpoint.state_dict cannot name .*master_weights=True"):
+        HELPERS[helper](ours)
+    assert_unchanged(before, fingerprint(ours))
+
+
 def nested(levels: int) -> type[torch.optim.Optimizer]:
     """An AdamW behind ``levels`` subclasses that each override ``state_dict`` (as wrappers stack)."""
     cls: type[torch.optim.Optimizer] = torch.optim.AdamW

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import weakref
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
@@ -190,10 +191,23 @@ def _called_from_dcp() -> bool:
     return False
 
 
+# optimizers a scaler with master weights has met while each of their float16/bfloat16 parameters was frozen (a
+# warm-up: nothing to master yet, masters once unfrozen), weakly
+_PENDING: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+
+
+def pending(optimizer: torch.optim.Optimizer) -> None:
+    """``optimizer`` will step masters once its frozen float16/bfloat16 parameters are unfrozen: it counts as
+    holding masters for ``holds_masters``."""
+    _PENDING.add(optimizer)
+
+
 def holds_masters(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer`` steps a float32 master (bound or copied), or holds a checkpoint's masters that wait
-    for their binding."""
+    """Whether ``optimizer`` steps a float32 master (bound or copied), holds a checkpoint's masters that wait
+    for their binding, or is ``pending`` and still holds a float16/bfloat16 parameter."""
     groups = optimizer.param_groups
+    if optimizer in _PENDING and any(p.dtype in LOW_PRECISION for group in groups for p in group["params"]):
+        return True
     return any(SAVED_KEY in group or any(hasattr(p, PARAM_ATTR) for p in group["params"]) for group in groups)
 
 

@@ -383,8 +383,11 @@ class MasterWeights:
         ):
             return binding  # the common case: nothing new since the last contact
         if not loaded and not any(stands_in(p) for p in grads.iter_params(optimizer)):
-            # nothing to master (yet): bound when a low-precision parameter appears; one frozen now is hooked
-            # at a scale() once unfrozen, as in a bound optimizer
+            # nothing to master (yet): bound when a low-precision parameter appears; one frozen now makes the
+            # optimizer one of masters for the distributed-checkpoint refusal, and is hooked at a scale() once
+            # unfrozen, as in a bound optimizer
+            if any(p.dtype in LOW_PRECISION for p in grads.iter_params(optimizer)):
+                checkpoint.pending(optimizer)
             self._watch_frozen(optimizer)
             return binding
         if self._sums is not None:
