@@ -627,9 +627,10 @@ class MastersMachine(RuleBasedStateMachine):
         clipping, ``step``, ``update``."""
         self.zero_grad(zero, set_to_none)
         for number in range(micro):
-            frozen = [name for name in ("inp", "block", "head") if not self.config.trainable[name]]
-            if thaw and number == 1 and frozen:
-                self.freeze(frozen[0], True)
+            if thaw and number == 1:
+                frozen = [name for name in ("inp", "block", "head") if not self.config.trainable[name]]
+                if frozen:
+                    self.freeze(frozen[0], True)
             self.backward(
                 use_block=number not in without_block, inject=bad if number == where % micro else "", layer="inp"
             )

@@ -383,12 +383,13 @@ class MasterWeights:
         ):
             return binding  # the common case: nothing new since the last contact
         if not loaded and not any(stands_in(p) for p in grads.iter_params(optimizer)):
-            # nothing to master (yet): bound when a low-precision parameter appears; one frozen now makes the
-            # optimizer one of masters for the distributed-checkpoint refusal, and is hooked at a scale() once
-            # unfrozen, as in a bound optimizer
+            # nothing to master (yet): bound when a low-precision parameter appears. Any held now is frozen
+            # (else it would stand in): the optimizer counts as one of masters for the distributed-checkpoint
+            # refusal, and with float32 sums it is hooked at a scale() once unfrozen, as in a bound optimizer
             if any(p.dtype in LOW_PRECISION for p in grads.iter_params(optimizer)):
                 checkpoint.pending(optimizer)
-            self._watch_frozen(optimizer)
+                if self._sums is not None:
+                    self._sums.asleep(optimizer)
             return binding
         if self._sums is not None:
             self._sums.refuse_sharded(list(grads.iter_params(optimizer)))
@@ -414,16 +415,9 @@ class MasterWeights:
             self._bindings[optimizer] = binding
         if self._sums is not None:
             self._sums.bind(binding, type(optimizer).__name__)
-        self._watch_frozen(optimizer)
+            if any(p.dtype in LOW_PRECISION and not p.requires_grad for p in grads.iter_params(optimizer)):
+                self._sums.asleep(optimizer)  # frozen without a master: hooked at a scale() once unfrozen
         return binding
-
-    def _watch_frozen(self, optimizer: torch.optim.Optimizer) -> None:
-        """With float32 sums: ``optimizer``'s frozen low-precision parameters without a master are hooked at
-        a ``scale()`` once unfrozen (``Accumulation.asleep``)."""
-        if self._sums is not None and any(
-            p.dtype in LOW_PRECISION and not p.requires_grad for p in grads.iter_params(optimizer)
-        ):
-            self._sums.asleep(optimizer)
 
     def _zeroed(self, binding: Binding, ref: weakref.ReferenceType[torch.optim.Optimizer], set_to_none: bool) -> None:
         """After a bound optimizer's ``zero_grad``: zeros in place are no write to the kept float16 gradients,
