@@ -228,6 +228,28 @@ def test_a_model_new_to_an_accumulating_scaler_after_its_first_iteration() -> No
 # ---------------------------------------------------------------- the kernels
 
 
+def test_a_parameter_hidden_from_the_scaled_graphs_in_the_first_iteration() -> None:
+    """A reentrant checkpoint of a callable object the scaler does not look into: the first step warns."""
+
+    class Runner:
+        def __init__(self, block: nn.Module) -> None:
+            self.block = block
+
+        def __call__(self, h: torch.Tensor) -> torch.Tensor:
+            return self.block(h)
+
+    model, optimizer, _ = half_model_run()
+    scaler = GradScaler("cpu", master_weights=True, accumulate_grads_in_fp32=True)
+    for _ in range(2):
+        h = model[0](torch.ones(2, 4).half())
+        hidden = torch.utils.checkpoint.checkpoint(Runner(model[1]), h, use_reentrant=True)
+        scaler.scale(hidden.float().pow(2).mean()).backward()
+    with caught() as record:
+        line = here() + 1
+        scaler.step(optimizer)
+    assert_at(record, UserWarning, "2 low-precision parameter(s) of optimizer AdamW got gradients in the first", line)
+
+
 def test_kernel_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
     """A device whose compute capability the Triton kernels do not support (the CPU standing in for it,
     as in tests/test_kernel_fallback.py): the first pass over its gradients that would take the kernels

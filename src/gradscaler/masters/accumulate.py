@@ -14,7 +14,8 @@ iteration's tensor when it is still there: no second float32 buffer); before the
 iteration: masters are bound at the scaler's first contact with the optimizer, after its micro-batches)
 in the hook itself, which the binding hands to the master. Which parameters get hooks: those the
 scaler meets in the graph of a ``scale(loss)`` output (its ``AccumulateGrad`` leaves that are float16 or
-bfloat16 ``nn.Parameter``s) until the first ``update()``, every parameter a master is bound to,
+bfloat16 ``nn.Parameter``s, and those a reentrant checkpoint's node hides: ``checkpointed``) until the first
+``update()`` (a step that finds others with gradients warns: ``HIDDEN_MESSAGE``), every parameter a master is bound to,
 those a bound optimizer's ``add_param_group`` adds, and those a bound optimizer held frozen without a
 master once they are unfrozen (at the next ``scale()``). A parameter hooked from the graph that no optimizer
 of the scaler binds by then gets its gradient back in its dtype at that ``update()`` (held weakly until
@@ -29,8 +30,10 @@ reduce-scatters each backward's gradient itself: its ``reduce_dtype`` is the set
 
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
+import types
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -117,6 +120,18 @@ LATE_MESSAGE = (
     "trained already): this iteration's micro-batches were summed by autograd in float16/bfloat16, "
     "as without the argument; from the next iteration on they are summed in float32. For float32 from "
     "the start, give a new model a new scaler (scaler.state_dict() carries the scale over)."
+)
+
+HIDDEN_MESSAGE = (
+    "accumulate_grads_in_fp32=True: {count} low-precision parameter(s) of optimizer {optimizer} got "
+    "gradients in the first iteration that the scaler did not find in the graphs of scaler.scale(loss), "
+    "where it looks for the parameters to hook before the first step: their micro-batches were summed by "
+    "autograd in float16/bfloat16, as without the argument; from the next iteration on they are summed in "
+    "float32. A custom autograd Function that uses a parameter it does not take as an input hides it, and so "
+    "does a reentrant activation checkpoint (torch.utils.checkpoint with use_reentrant=True, the default "
+    "when the argument is left out) whose function the scaler cannot see into (it looks into modules, "
+    "their methods, functools.partial and closures). Use torch.utils.checkpoint(..., use_reentrant=False), "
+    "or pass the module itself as the checkpointed function."
 )
 
 
@@ -246,8 +261,9 @@ def _fits(out: torch.Tensor, grad: torch.Tensor) -> bool:
 
 
 def graph_leaves(output: torch.Tensor) -> list[torch.Tensor]:
-    """The float16/bfloat16 ``nn.Parameter``s whose gradients a backward of ``output`` accumulates (the
-    ``AccumulateGrad`` nodes of its graph)."""
+    """The float16/bfloat16 ``nn.Parameter``s whose gradients a backward of ``output`` accumulates: the
+    ``AccumulateGrad`` nodes of its graph, and the parameters a reentrant checkpoint's node hides
+    (``checkpointed``)."""
     found: list[torch.Tensor] = []
     stack = [output.grad_fn]
     # Each node seen is held here: torch (2.11 and older) makes a new Python object for a node at each
@@ -264,8 +280,51 @@ def graph_leaves(output: torch.Tensor) -> list[torch.Tensor]:
             if isinstance(variable, torch.nn.Parameter) and variable.dtype in LOW_PRECISION:
                 found.append(variable)
             continue
+        function = getattr(node, "run_function", None)
+        if function is not None:
+            found.extend(checkpointed(function))
         stack.extend(next_node for next_node, _ in node.next_functions)
     return found
+
+
+def checkpointed(function: Any, depth: int = 4) -> list[torch.Tensor]:
+    """The float16/bfloat16 parameters that require grad among those ``function`` reaches: the
+    ``run_function`` of a reentrant activation checkpoint (``torch.utils.checkpoint(use_reentrant=True)``,
+    ``checkpoint_sequential``, DeepSpeed's and Megatron-LM's), which runs under ``no_grad`` in the forward,
+    so the checkpoint's graph node takes the parameters' gradients without showing their ``AccumulateGrad``
+    nodes. Looked into, ``depth`` levels down: modules (all their parameters), bound methods, a
+    ``functools.partial``'s function and arguments, a function's closure, lists and tuples."""
+    params: dict[int, torch.Tensor] = {}
+    seen: dict[int, Any] = {}  # held, so that no id is met again on another object
+    level = [function]
+    for _ in range(depth):
+        below: list[Any] = []
+        for item in level:
+            if id(item) in seen:
+                continue
+            seen[id(item)] = item
+            if isinstance(item, torch.nn.Module):
+                params.update((id(p), p) for p in item.parameters())
+            elif isinstance(item, torch.nn.Parameter):
+                params[id(item)] = item
+            elif isinstance(item, types.MethodType):
+                below += (item.__self__, item.__func__)
+            elif isinstance(item, functools.partial):
+                below += (item.func, *item.args, *item.keywords.values())
+            elif isinstance(item, types.FunctionType):
+                below += (cell.cell_contents for cell in item.__closure__ or () if _filled(cell))
+            elif isinstance(item, (list, tuple)):
+                below += item
+        level = below
+    return [p for p in params.values() if p.dtype in LOW_PRECISION and p.requires_grad]
+
+
+def _filled(cell: types.CellType) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 (an empty cell raises)
+    except ValueError:
+        return False
+    return True
 
 
 class Accumulation:
@@ -280,6 +339,7 @@ class Accumulation:
         self._watched = WeakIdKeyDictionary()
         self.watching = True  # hooks from the scaled graphs, until the first update() after a contact
         self.contacted = False  # an optimizer met the scaler (unscale_/step), bound or not
+        self.scaled = 0  # graphs scale() met while watching: with two or more, autograd may have summed
         self.subclassed = False  # a tensor subclass is hooked: nn.Module._apply swaps it, future on or off
         # bound pairs whose parameter was frozen at the binding (torch refuses a hook on a tensor that does
         # not require grad), weakly by id: hooked at the first scale() after they are unfrozen
@@ -298,6 +358,7 @@ class Accumulation:
         ``bound()`` parameters a conversion swapped since (``Sum.rehook``), before this backward reaches
         them."""
         if self.watching and isinstance(output, torch.Tensor) and output.grad_fn is not None:
+            self.scaled += 1
             for param in graph_leaves(output):
                 self.hook(param)
         if self.subclassed or torch.__future__.get_swap_module_params_on_conversion():
@@ -432,20 +493,25 @@ class Accumulation:
 
     def bind(self, binding: Binding, name: str) -> None:
         """Hook every parameter of ``binding`` (hooked already or not) and point its sum at its master;
-        a warning (``LATE_MESSAGE``, ``name``: the optimizer's) when parameters new to the scaler after
-        its first iteration come with gradients autograd has summed."""
-        late = 0
+        a warning (``name``: the optimizer's) when parameters come with gradients autograd may have summed:
+        new to the scaler after its first iteration (``LATE_MESSAGE``), or in it, hidden from the scaled
+        graphs of two or more backwards (``HIDDEN_MESSAGE``)."""
+        late = hidden = 0
         for pair in binding.pairs:
             if not pair.low.requires_grad and self.sum_of(pair.low) is None:
                 self._frozen[id(pair)] = weakref.ref(pair)
                 continue
-            late += not self.watching and pair.low.grad is not None and self.sum_of(pair.low) is None
+            unseen = pair.low.grad is not None and self.sum_of(pair.low) is None
+            late += unseen and not self.watching
+            hidden += unseen and self.watching and self.scaled > 1
             found = self.hook(pair.low)
             self._watched.pop(pair.low, None)  # the binding holds it now
             if found.master is None or found.master() is not pair.master:
                 found.master = weakref.ref(pair.master)
         if late:
             warn(LATE_MESSAGE.format(count=late, optimizer=name), UserWarning)
+        if hidden:
+            warn(HIDDEN_MESSAGE.format(count=hidden, optimizer=name), UserWarning)
 
     def refuse(self, binding: Binding, name: Any, before_step: bool = False) -> None:
         """(At the move, the gradients DDP's reducer wrote into registered parameters are dropped first.)
