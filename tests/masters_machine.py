@@ -74,7 +74,9 @@ as on any optimizer; ``freeze("all")`` after the first iteration is driven);
 the retry of a fused optimizer's step that raised after every gradient was cleared, against torch's scaler
 (``rechecks_nothing``: torch's ``update`` asserts, ours counts a clean step: documented);
 ``torch.nn.utils.clip_grad_value_`` over ``model.parameters()`` without float32 accumulation (``step`` refuses
-it, documented; with it, it is driven: (b) below).
+it, documented; with it, it is driven: (b) below);
+activation checkpointing (the model has none: tests/test_masters_activation_checkpoint.py holds both variants
+against the recipe, with float32 sums from the first iteration).
 
 An armed exception with fused AdamW is driven against the recipe with one correction where torch's scaler is
 at fault (``Reference.step``; docs/migration.md, What differs): torch's scaler leaves ``grad_scale`` and
