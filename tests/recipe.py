@@ -285,6 +285,11 @@ class Fp32RecipeScalerClips(Fp32Recipe):
         self.scaler.clip_grad_norm_(self.optimizer, max_norm)
 
 
+def named(make: MakeOptimizer) -> MakeOptimizer:
+    """``make`` given ``(name, parameter)`` pairs (torch's named groups: then every group must be named)."""
+    return lambda params: make([(f"p{i}", p) for i, p in enumerate(params)])
+
+
 def fp32_scaler(**kwargs: Any) -> GradScaler:
     """``GradScaler(master_weights=True, accumulate_grads_in_fp32=True)`` with the tests' settings."""
     return GradScaler("cpu", master_weights=True, accumulate_grads_in_fp32=True, **{**SCALER_ARGS, **kwargs})

@@ -26,6 +26,7 @@ from recipe import (
     System,
     assert_same_state,
     assert_same_trace,
+    named,
     new_trace,
 )
 from test_masters_lifecycle import STEPS, Experts, assert_same_run, data, load, run, save
@@ -67,17 +68,21 @@ def test_adding_a_held_float16_parameter_again_is_refused_as_torch_refuses_it(na
     assert_same_trace(run(ours, range(3, 8), trace), run(reference, range(3, 8), expected))
 
 
-@pytest.mark.parametrize("form", ["tensor", "list", "generator"])
+@pytest.mark.parametrize("form", ["tensor", "list", "generator", "named"])
 def test_add_param_group_reads_params_as_torch_does_refusing_a_held_one_and_taking_a_new_one(form: str) -> None:
-    ours = ours_with(OPTIMIZERS["adamw_foreach"])
+    """Each form torch reads, named pairs included (``(name, parameter)``: a held one was let through before,
+    then refused at the next step, after the group was added)."""
+    ours = ours_with(named(OPTIMIZERS["adamw_foreach"]) if form == "named" else OPTIMIZERS["adamw_foreach"])
     run(ours, range(2), new_trace())
     spell: dict[str, Callable[[torch.Tensor], Any]] = {
         "tensor": lambda p: p,
         "list": lambda p: [p],
         "generator": lambda p: (q for q in [p]),
+        "named": lambda p: [("p", p)],
     }
     with pytest.raises(ValueError, match=r"^some parameters appear in more than one parameter group$"):
         ours.optimizer.add_param_group({"params": spell[form](ours.model.head.weight)})
+    assert len(ours.optimizer.param_groups) == 1
     extra = nn.Parameter(torch.ones(3, dtype=torch.float16))
     ours.optimizer.add_param_group({"params": spell[form](extra), "lr": 0.0})
     assert ours.optimizer.param_groups[-1]["params"] == [extra]

@@ -190,8 +190,13 @@ class AddParamGroupChecked:
         else:  # read once, here, as torch would read an iterator
             params = param_group["params"] = list(params)
         held = {id(low) for low in self._lows()}
-        if any(id(p) in held for p in params):
+        if any(id(_tensor_of(p)) in held for p in params):
             raise ValueError("some parameters appear in more than one parameter group")  # torch's message
         type(optimizer).add_param_group(optimizer, param_group)
         if self._added is not None:
-            self._added(params)
+            self._added([_tensor_of(p) for p in params])
+
+
+def _tensor_of(entry: Any) -> Any:
+    """A group's entry as torch reads it: a parameter, or a ``(name, parameter)`` pair (named groups)."""
+    return entry[1] if isinstance(entry, tuple) and len(entry) == 2 else entry
