@@ -127,10 +127,12 @@ HIDDEN_MESSAGE = (
     "gradients in the first iteration that the scaler did not find in the graphs of scaler.scale(loss), "
     "where it looks for the parameters to hook before the first step: their micro-batches were summed by "
     "autograd in float16/bfloat16, as without the argument; from the next iteration on they are summed in "
-    "float32. A custom autograd Function that uses a parameter it does not take as an input hides it, and so "
-    "does a reentrant activation checkpoint (torch.utils.checkpoint with use_reentrant=True, the default "
-    "when the argument is left out) whose function the scaler cannot see into (it looks into modules, "
-    "their methods, functools.partial and closures). Use torch.utils.checkpoint(..., use_reentrant=False), "
+    "float32. A custom autograd Function that uses a parameter it does not take as an input hides it, so does "
+    "a backward of a graph that did not come from scaler.scale (a pipeline stage's "
+    "torch.autograd.backward(outputs, grads)), and so does a reentrant activation checkpoint "
+    "(torch.utils.checkpoint with use_reentrant=True, the default when the argument is left out) whose "
+    "function the scaler cannot see into (it looks into modules, their methods, functools.partial, closures "
+    "and default arguments). Use torch.utils.checkpoint(..., use_reentrant=False), "
     "or pass the module itself as the checkpointed function."
 )
 
@@ -293,7 +295,8 @@ def checkpointed(function: Any, depth: int = 4) -> list[torch.Tensor]:
     ``checkpoint_sequential``, DeepSpeed's and Megatron-LM's), which runs under ``no_grad`` in the forward,
     so the checkpoint's graph node takes the parameters' gradients without showing their ``AccumulateGrad``
     nodes. Looked into, ``depth`` levels down: modules (all their parameters), bound methods, a
-    ``functools.partial``'s function and arguments, a function's closure, lists and tuples."""
+    ``functools.partial``'s function and arguments, a function's closure and default arguments, lists and
+    tuples."""
     params: dict[int, torch.Tensor] = {}
     seen: dict[int, Any] = {}  # held, so that no id is met again on another object
     level = [function]
@@ -313,6 +316,7 @@ def checkpointed(function: Any, depth: int = 4) -> list[torch.Tensor]:
                 below += (item.func, *item.args, *item.keywords.values())
             elif isinstance(item, types.FunctionType):
                 below += (cell.cell_contents for cell in item.__closure__ or () if _filled(cell))
+                below += (*(item.__defaults__ or ()), *(item.__kwdefaults__ or {}).values())
             elif isinstance(item, (list, tuple)):
                 below += item
         level = below
