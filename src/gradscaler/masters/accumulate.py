@@ -356,17 +356,17 @@ class Accumulation:
         self._wake = False
         self.ddp = DataParallel()  # the parameters of registered DDP modules: their sums averaged at the move
 
-    def watch(self, output: Any, bound: Callable[[], list[torch.Tensor]]) -> Any:
+    def watch(self, output: Any, held: Callable[[], list[torch.Tensor]]) -> Any:
         """At ``scale()``: hook the low-precision parameters of ``output``'s graph (first iteration only);
         with torch's swap-tensors future on (or a tensor subclass hooked), hook again each of the
-        ``bound()`` parameters a conversion swapped since (``Sum.rehook``), before this backward reaches
-        them."""
+        ``held()`` parameters (the bound optimizers': masters' parameters and the low-precision ones in
+        their groups) a conversion swapped since (``Sum.rehook``), before this backward reaches them."""
         if self.watching and isinstance(output, torch.Tensor) and output.grad_fn is not None:
             self.scaled += 1
             for param in graph_leaves(output):
                 self.hook(param)
         if self.subclassed or torch.__future__.get_swap_module_params_on_conversion():
-            self.revive(bound())
+            self.revive(held())
         if self._frozen:
             self.thaw()
         if self._wake:
