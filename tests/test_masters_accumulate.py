@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from gradscaler import GradScaler
+from gradscaler.masters import wrappers
 from gradscaler.tools.compiled_step import Shape, breaks, build, drive, inputs, recompiles
 from helpers import TORCH_VERSION, swap_future
 from recipe import (
@@ -982,3 +983,50 @@ def test_every_low_precision_layer_frozen_at_the_first_contact_and_unfrozen_late
         for p in params:
             p.requires_grad_(True)
     assert_unfrozen_sum_in_float32(ours, reference, trace, expected, low[0])
+
+
+USER_LOOP = """\
+import torch
+from torch.nn.utils import clip_grad_norm_ as clip
+
+
+def loop(model, optimizer, scaler, steps):
+    for _ in range(steps):
+        optimizer.zero_grad()
+        scaler.scale(model(torch.ones(2, 16, dtype=torch.float16)).float().pow(2).mean()).backward()
+        scaler.unscale_(optimizer)
+        clip(model.parameters(), 1e-3)
+        scaler.step(optimizer)
+        scaler.update()
+"""
+
+
+@pytest.mark.parametrize("bound", [True, False], ids=["from-import", "through-the-module"])
+def test_torchs_clipping_bound_by_name_before_the_first_step_is_warned(
+    bound: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loop that imported ``clip_grad_norm_`` by name holds torch's function, not the routed one: over the
+    model's parameters it finds no gradient (they are the masters' float32 sums) and clips nothing. The first
+    move warns, once, naming the module and the name, at the loop's line; through the module it is routed.
+    (The import is made as in a fresh process, before any scaler routed torch's name.)"""
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", wrappers.torch_clip_grad_norm_)
+    source = USER_LOOP if bound else USER_LOOP.replace("from torch.nn.utils import clip_grad_norm_ as clip", "")
+    source = source.replace("        clip(", "        torch.nn.utils.clip_grad_norm_(") if not bound else source
+    module: dict[str, Any] = {"__name__": "user_loop"}
+    exec(compile(source, "user_loop.py", "exec"), module)  # a user's module, written here
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4)).half()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    scaler = fp32_scaler(init_scale=2.0**10)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        module["loop"](model, optimizer, scaler, 3)
+    ours = [w for w in record if "holds torch's own clip_grad_norm_" in str(w.message)]
+    masters = dict(scaler.master_weights(optimizer))
+    if bound:
+        assert len(ours) == 1 and (ours[0].filename, ours[0].lineno) == ("user_loop.py", 9)  # the unscale_
+        assert "module user_loop holds torch's own clip_grad_norm_ as clip" in str(ours[0].message)
+        assert all(m.grad is not None and m.grad.norm() > 1e-3 for m in masters.values())  # not clipped
+    else:
+        total = torch.linalg.vector_norm(torch.stack([m.grad.norm() for m in masters.values()]))
+        assert ours == [] and total <= 1e-3 * 1.001

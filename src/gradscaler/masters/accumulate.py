@@ -46,7 +46,7 @@ from gradscaler.errors import warn
 from gradscaler.masters.checks import LOW_PRECISION
 from gradscaler.masters.ddp import DataParallel
 from gradscaler.masters.pairs import Binding
-from gradscaler.masters.wrappers import route
+from gradscaler.masters.wrappers import bound_clipping, route
 
 ARGUMENT = "accumulate_grads_in_fp32"
 
@@ -134,6 +134,14 @@ HIDDEN_MESSAGE = (
     "function the scaler cannot see into (it looks into modules, their methods, functools.partial, closures "
     "and default arguments). Use torch.utils.checkpoint(..., use_reentrant=False), "
     "or pass the module itself as the checkpointed function."
+)
+
+BOUND_CLIPPING_MESSAGE = (
+    "accumulate_grads_in_fp32=True: module {module} holds torch's own {function} as {name} (imported by name "
+    "before the scaler's first step). The scaler routes torch.nn.utils.{function} to the masters, not that "
+    "name: called over the model's parameters it finds p.grad None for every float16/bfloat16 parameter "
+    "(their gradients are the masters' float32 sums) and clips nothing, silently. Call it through the module, "
+    "torch.nn.utils.{function}(model.parameters(), ...), or use scaler.clip_grad_norm_(optimizer, max_norm)."
 )
 
 
@@ -344,6 +352,7 @@ class Accumulation:
         self.watching = True  # hooks from the scaled graphs, until the first update() after a contact
         self.contacted = False  # an optimizer met the scaler (unscale_/step), bound or not
         self.scaled = 0  # graphs scale() met while watching: with two or more, autograd may have summed
+        self.clipping_checked = False  # the loop's modules were looked at for torch's clippings bound by name
         self.subclassed = False  # a tensor subclass is hooked: nn.Module._apply swaps it, future on or off
         # bound pairs whose parameter was frozen at the binding (torch refuses a hook on a tensor that does
         # not require grad), weakly by id: hooked at the first scale() after they are unfrozen
@@ -538,6 +547,15 @@ class Accumulation:
             hooks = getattr(pair.low, "_post_accumulate_grad_hooks", None)
             if found is not None and found.handle is not None and hooks and next(reversed(hooks)) != found.handle.id:
                 raise ValueError(LATER_HOOK_MESSAGE.format(name=name(pair, number)))
+
+    def check_clipping(self) -> None:
+        """At the first move: a warning (``BOUND_CLIPPING_MESSAGE``) for each name a module of the loop's
+        stack binds to torch's own clipping, which would find no gradient in the parameters."""
+        if self.clipping_checked:
+            return
+        self.clipping_checked = True
+        for module, name, function in bound_clipping():
+            warn(BOUND_CLIPPING_MESSAGE.format(module=module, name=name, function=function), UserWarning)
 
     def take(self, binding: Binding) -> None:
         """The move of an accumulating binding: each master's gradient becomes its parameter's float32 sum

@@ -257,6 +257,7 @@ class MasterWeights:
             return NOTHING
         route_clipping()
         if self._sums is not None:  # the sums are float32 gradients: the scaler's own pass checks them
+            self._sums.check_clipping()
             self._sums.refuse(binding, functools.partial(self._name, optimizer))
             with torch.no_grad():
                 for pair in binding.pairs:

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -106,6 +107,24 @@ def route_clipping() -> None:
     for name, (torchs, routed) in ROUTED_CLIPPING.items():
         if getattr(torch.nn.utils, name) is torchs:
             setattr(torch.nn.utils, name, routed)
+
+
+def bound_clipping() -> list[tuple[str, str, str]]:
+    """(module, name, torch's function) for each global name that a module on the caller's stack (torch's and
+    gradscaler's aside) binds to torch's own ``clip_grad_norm_`` or ``clip_grad_value_``: a from-import made
+    before ``route_clipping``, which that name does not see."""
+    originals = {id(torchs): name for name, (torchs, _) in ROUTED_CLIPPING.items()}
+    found: list[tuple[str, str, str]] = []
+    seen: set[int] = set()
+    frame = sys._getframe(1)
+    while frame is not None:
+        names = frame.f_globals
+        module = str(names.get("__name__", "?"))
+        if id(names) not in seen and module.partition(".")[0] not in ("torch", "gradscaler"):
+            seen.add(id(names))
+            found += [(module, key, originals[id(value)]) for key, value in names.items() if id(value) in originals]
+        frame = frame.f_back  # type: ignore[assignment]
+    return found
 
 
 def unwrap(optimizer: Any) -> Any:
