@@ -267,15 +267,21 @@ def save_hook(
 
 
 def load_hook(
-    restore: Callable[[torch.Tensor, torch.Tensor], bool], done: Callable[[], None]
+    restore: Callable[[torch.Tensor, torch.Tensor], bool],
+    unsaved: Callable[[list[torch.Tensor]], None],
+    done: Callable[[], None],
 ) -> Callable[[torch.optim.Optimizer], None]:
     """The ``load_state_dict`` post-hook of a bound optimizer: its groups hold the masters already, so the
     loaded state kept float32 (with the checkpoint's float32 state where torch's copy was rounded:
     ``exact_state``); ``restore(param, saved value)`` for each saved master (False: ``param`` is no master; its
-    saved entry stays in the group for the next binding), then ``done()``."""
+    saved entry stays in the group for the next binding); ``unsaved(params)`` with the optimizer's other
+    parameters when the checkpoint carries masters (a gradscaler checkpoint: those had none when it was
+    saved, so their masters were their values), then ``done()``."""
 
     def hook(optimizer: torch.optim.Optimizer) -> None:
         with torch.no_grad():
+            carries = any(group.get(SAVED_KEY) for group in optimizer.param_groups)
+            restored: set[int] = set()
             for group in optimizer.param_groups:
                 saved = group.pop(SAVED_KEY, None)
                 if not saved:
@@ -285,7 +291,9 @@ def load_hook(
                     param = group["params"][i]
                     if not restore(param, value):
                         left.append(i)
-                    elif param in optimizer.state:
+                        continue
+                    restored.add(id(param))
+                    if param in optimizer.state:
                         optimizer.state[param] = exact_state(optimizer.state[param], saved.get("state", {}).get(i))
                 if left:  # a parameter with no master yet (frozen before this binding): taken at the next move
                     state = saved.get("state", {})
@@ -293,6 +301,8 @@ def load_hook(
                         "masters": {i: saved["masters"][i] for i in left},
                         "state": {i: state[i] for i in left if i in state},
                     }
+            if carries:
+                unsaved([p for group in optimizer.param_groups for p in group["params"] if id(p) not in restored])
         done()
 
     return hook

@@ -420,7 +420,7 @@ class MasterWeights:
             checkpoint.warn_continued(continued)
         if fresh:  # the hooks of an earlier binding (another scaler's) give way: one binding steers
             save = checkpoint.save_hook(binding.saved_value)
-            load = checkpoint.load_hook(binding.restore, functools.partial(_end, binding))
+            load = checkpoint.load_hook(binding.restore, binding.unsaved, functools.partial(_end, binding))
             binding.hooks = checkpoint.install_hooks(optimizer, save, load)
             zeroed = functools.partial(self._zeroed, binding, weakref.ref(optimizer))
             optimizer.zero_grad = ZeroGradBoth(optimizer, binding.lows, zeroed)  # type: ignore[method-assign]

@@ -36,6 +36,7 @@ class Pair:
     kept: torch.Tensor | None = None  # the parameter's gradient after the user's ``unscale_``, until ``step``
     kept_version: int = 0
     exact: bool = True  # the parameter is its master rounded to its dtype, bit for bit (not after a cast)
+    unsaved: bool = False  # a checkpoint loaded since carries no master for it: the next move takes its values
 
     def written(self) -> bool:
         """Whether the parameter may differ from its master rounded."""
@@ -62,14 +63,16 @@ class Pair:
         loaded = None if self.pending is None else checkpoint.claims(self.pending, self.low)
         if loaded is not None:
             self.master.copy_(loaded)
+            self.note_exact()
+        elif self.unsaved:  # the checkpoint's parameter had no master: its values were its master's
+            self.master.copy_(self.low)
+            self.exact = True
         else:
             self.master.copy_(torch.where(self._kept(), self.master, self.low.to(torch.float32)))
-        if loaded is not None:
-            self.note_exact()
-        else:  # written in place in its dtype, the parameter is now its master rounded; after a cast it may be
+            # written in place in its dtype, the parameter is now its master rounded; after a cast it may be
             # a rounding through other dtypes, or its old values widened: a skipped step must leave it
             self.exact = self._same_storage() and self.low.dtype == self.low_dtype
-        self.pending = None
+        self.pending, self.unsaved = None, False
         self.seen()
 
     def note_exact(self) -> None:
@@ -111,6 +114,7 @@ class Pair:
         parameter everywhere (the model's checkpoint loaded first), and again at the next move against
         the parameter as it is then (the model's checkpoint loaded after the optimizer's)."""
         self.pending = value.detach().to(device=self.master.device, dtype=torch.float32, copy=True)
+        self.unsaved = False
         loaded = checkpoint.claims(self.pending, self.low)
         if loaded is not None:
             self.master.copy_(loaded)
@@ -140,6 +144,15 @@ class Binding:
         if value.shape == pair.master.shape:
             pair.load(value)
         return True
+
+    def unsaved(self, params: list[torch.Tensor]) -> None:
+        """A checkpoint loaded into the optimizer carries no master for these of its parameters (they had none
+        when it was saved): each that is a master here takes its parameter's values at the next move, not
+        its own where they round to them (the parameter's loaded values were its master's)."""
+        for param in params:
+            pair = self.by_master.get(id(param))
+            if pair is not None:
+                pair.unsaved, pair.pending, pair.low_version = True, None, -1
 
     def saved_value(self, param: torch.Tensor) -> torch.Tensor | None:
         """What a checkpoint saves for the optimizer's parameter ``param``: the master's value, or the loaded
