@@ -157,9 +157,10 @@ class Binding:
     def saved_value(self, param: torch.Tensor) -> torch.Tensor | None:
         """What a checkpoint saves for the optimizer's parameter ``param``: the master's value, or the loaded
         value it has not taken yet (the optimizer loaded before the model: taken at the next move); None
-        when ``param`` is no master."""
+        when ``param`` is no master, or its master waits to take its parameter's values (``unsaved``: the
+        checkpoint loaded last held none for it, and a save now holds none either)."""
         pair = self.by_master.get(id(param))
-        if pair is None:
+        if pair is None or pair.unsaved:
             return None
         return (pair.pending if pair.pending is not None else pair.master).detach()
 
