@@ -927,23 +927,26 @@ def test_a_layer_frozen_at_the_binding_and_unfrozen_between_micro_batches_sums_i
     assert_same_state(ours.optimizer, reference.optimizer)
 
 
-@pytest.mark.parametrize("how", ["unfrozen", "added"])
+@pytest.mark.parametrize("how", ["unfrozen", "all-unfrozen", "added"])
 def test_a_parameter_hooked_before_its_binding_keeps_its_sum_through_a_swap(how: str) -> None:
     """With the swap-tensors future on for the run: a layer hooked before its first move (unfrozen since a
     binding that gave it no master, or added by ``add_param_group``) and then swapped by a cast (a round trip
     through float32, exact) between two micro-batches: the scaler hooks it again at the next ``scale()``, its
     sum carried over, as it does for a master's parameter. (Before the fix only the masters' parameters were
     hooked again: the rest of the iteration was summed by autograd in float16 into ``p.grad``; found by the
-    state machine, seed 35 of 400 sequences, through a fresh resume.)"""
+    state machine, seed 35 of 400 sequences, through a fresh resume. ``all-unfrozen``: every float16 layer
+    frozen at the first contact, so nothing was bound: found by review.)"""
     ours, reference = pair("adamw_foreach")
-    if how == "unfrozen":
-        for system in (ours, reference):
-            system.model.head.requires_grad_(False)
+    frozen = {"unfrozen": ["head"], "all-unfrozen": ["inp", "experts", "rare", "head"], "added": []}[how]
+    for system in (ours, reference):
+        for name in frozen:
+            getattr(system.model, name).requires_grad_(False)
     with swap_future(True):
         trace, expected = run(ours, range(2), 4, new_trace()), run(reference, range(2), 4, new_trace())
         for system, out in ((ours, trace), (reference, expected)):
-            if how == "unfrozen":
-                system.model.head.requires_grad_(True)
+            if frozen:
+                for name in frozen:
+                    getattr(system.model, name).requires_grad_(True)
                 layer = system.model.head
             else:
                 add_extra(system, 2)

@@ -273,7 +273,7 @@ def _fits(out: torch.Tensor, grad: torch.Tensor) -> bool:
 def graph_leaves(output: torch.Tensor) -> list[torch.Tensor]:
     """The float16/bfloat16 ``nn.Parameter``s whose gradients a backward of ``output`` accumulates: the
     ``AccumulateGrad`` nodes of its graph, and the parameters a reentrant checkpoint's node hides
-    (``checkpointed``)."""
+    (``checkpointed``; with the parameters of everything its function reaches, some maybe twice)."""
     found: list[torch.Tensor] = []
     stack = [output.grad_fn]
     # Each node seen is held here: torch (2.11 and older) makes a new Python object for a node at each
@@ -297,6 +297,9 @@ def graph_leaves(output: torch.Tensor) -> list[torch.Tensor]:
     return found
 
 
+_WIDEST = 4096  # items of a list or tuple that ``checkpointed`` looks at
+
+
 def checkpointed(function: Any, depth: int = 4) -> list[torch.Tensor]:
     """The float16/bfloat16 parameters that require grad among those ``function`` reaches: the
     ``run_function`` of a reentrant activation checkpoint (``torch.utils.checkpoint(use_reentrant=True)``,
@@ -304,7 +307,8 @@ def checkpointed(function: Any, depth: int = 4) -> list[torch.Tensor]:
     so the checkpoint's graph node takes the parameters' gradients without showing their ``AccumulateGrad``
     nodes. Looked into, ``depth`` levels down: modules (all their parameters), bound methods, a
     ``functools.partial``'s function and arguments, a function's closure and default arguments, lists and
-    tuples."""
+    tuples (their first ``_WIDEST`` items: a closure over a long list of numbers costs nothing). Not a
+    function's globals (a module-level function using a global model: the binding warns instead)."""
     params: dict[int, torch.Tensor] = {}
     seen: dict[int, Any] = {}  # held, so that no id is met again on another object
     level = [function]
@@ -326,9 +330,20 @@ def checkpointed(function: Any, depth: int = 4) -> list[torch.Tensor]:
                 below += (cell.cell_contents for cell in item.__closure__ or () if _filled(cell))
                 below += (*(item.__defaults__ or ()), *(item.__kwdefaults__ or {}).values())
             elif isinstance(item, (list, tuple)):
-                below += item
+                below += item[:_WIDEST]
         level = below
     return [p for p in params.values() if p.dtype in LOW_PRECISION and p.requires_grad]
+
+
+def low_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The float16/bfloat16 tensors in ``optimizer``'s groups (the parameters it steps as masters are float32
+    there)."""
+    return [
+        param
+        for group in optimizer.param_groups
+        for param in group["params"]
+        if isinstance(param, torch.Tensor) and param.dtype in LOW_PRECISION
+    ]
 
 
 def _filled(cell: types.CellType) -> bool:
@@ -363,19 +378,23 @@ class Accumulation:
         # hooks the ones unfrozen since, before their next backward
         self._asleep: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[torch.Tensor]] = weakref.WeakKeyDictionary()
         self._wake = False
+        # every optimizer bound or met asleep, weakly: its groups' low-precision parameters are hooked again
+        # after a swap (``watch``)
+        self._met: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self.ddp = DataParallel()  # the parameters of registered DDP modules: their sums averaged at the move
 
-    def watch(self, output: Any, held: Callable[[], list[torch.Tensor]]) -> Any:
+    def watch(self, output: Any, bound: Callable[[], list[torch.Tensor]]) -> Any:
         """At ``scale()``: hook the low-precision parameters of ``output``'s graph (first iteration only);
-        with torch's swap-tensors future on (or a tensor subclass hooked), hook again each of the
-        ``held()`` parameters (the bound optimizers': masters' parameters and the low-precision ones in
-        their groups) a conversion swapped since (``Sum.rehook``), before this backward reaches them."""
+        with torch's swap-tensors future on (or a tensor subclass hooked), hook again each parameter a
+        conversion swapped since (``Sum.rehook``), before this backward reaches it: the ``bound()`` ones
+        (the masters') and the low-precision ones in the groups of every optimizer met (unfrozen since a
+        binding that gave them no master, or added since: hooked, bound at the next move)."""
         if self.watching and isinstance(output, torch.Tensor) and output.grad_fn is not None:
             self.scaled += 1
             for param in graph_leaves(output):
                 self.hook(param)
         if self.subclassed or torch.__future__.get_swap_module_params_on_conversion():
-            self.revive(held())
+            self.revive([*bound(), *(p for optimizer in self._met for p in low_params(optimizer))])
         if self._frozen:
             self.thaw()
         if self._wake:
@@ -430,6 +449,7 @@ class Accumulation:
         """At a binding: ``optimizer`` holds frozen low-precision parameters without a master, which
         ``wake`` hooks once they are unfrozen."""
         self._asleep.setdefault(optimizer, [])
+        self._met.add(optimizer)
         self._wake = True
 
     @compiled.eager  # once an iteration, only while a bound optimizer holds a frozen parameter without master
@@ -442,14 +462,11 @@ class Accumulation:
         self._wake = False
         for optimizer in list(self._asleep.keys()):
             frozen = []
-            for group in optimizer.param_groups:
-                for param in group["params"]:
-                    if not isinstance(param, torch.Tensor) or param.dtype not in LOW_PRECISION:
-                        continue
-                    if not param.requires_grad:
-                        frozen.append(param)
-                    elif self.sum_of(param) is None:
-                        self.hook(param, watched=False)
+            for param in low_params(optimizer):
+                if not param.requires_grad:
+                    frozen.append(param)
+                elif self.sum_of(param) is None:
+                    self.hook(param, watched=False)
             if frozen:
                 self._asleep[optimizer] = frozen
             else:
@@ -504,11 +521,13 @@ class Accumulation:
                 self.watching = False
                 raise ValueError(FSDP2_MESSAGE)
 
-    def bind(self, binding: Binding, name: str) -> None:
-        """Hook every parameter of ``binding`` (hooked already or not) and point its sum at its master;
-        a warning (``name``: the optimizer's) when parameters come with gradients autograd may have summed:
-        new to the scaler after its first iteration (``LATE_MESSAGE``), or in it, hidden from the scaled
-        graphs of two or more backwards (``HIDDEN_MESSAGE``)."""
+    def bind(self, binding: Binding, optimizer: torch.optim.Optimizer) -> None:
+        """Hook every parameter of ``optimizer``'s ``binding`` (hooked already or not) and point its sum at its
+        master; a warning when parameters come with gradients autograd may have summed: new to the scaler
+        after its first iteration (``LATE_MESSAGE``), or in it, hidden from the scaled graphs of two or more
+        backwards (``HIDDEN_MESSAGE``)."""
+        self._met.add(optimizer)
+        name = type(optimizer).__name__
         late = hidden = 0
         for pair in binding.pairs:
             if not pair.low.requires_grad and self.sum_of(pair.low) is None:

@@ -276,7 +276,7 @@ def load_hook(
     ``exact_state``); ``restore(param, saved value)`` for each saved master (False: ``param`` is no master; its
     saved entry stays in the group for the next binding); ``unsaved(params)`` with the optimizer's other
     parameters when the checkpoint carries masters (a gradscaler checkpoint: those had none when it was
-    saved, so their masters were their values), then ``done()``."""
+    saved, so their masters were their values), with none when it carries no master; then ``done()``."""
 
     def hook(optimizer: torch.optim.Optimizer) -> None:
         with torch.no_grad():
@@ -301,8 +301,9 @@ def load_hook(
                         "masters": {i: saved["masters"][i] for i in left},
                         "state": {i: state[i] for i in left if i in state},
                     }
-            if carries:
-                unsaved([p for group in optimizer.param_groups for p in group["params"] if id(p) not in restored])
+            unsaved(
+                [p for group in optimizer.param_groups for p in group["params"] if carries and id(p) not in restored]
+            )
         done()
 
     return hook

@@ -186,23 +186,10 @@ class MasterWeights:
     def watch(self, output: Any) -> Any:
         """At ``scale()``, ``output`` a scaled tensor: with ``accumulate_grads_in_fp32``, hook the
         parameters of its graph (``accumulate``). Returns ``output``."""
-        return output if self._sums is None else self._sums.watch(output, self._held)
+        return output if self._sums is None else self._sums.watch(output, self._lows)
 
     def _lows(self) -> list[torch.Tensor]:
         return [low for binding in self._bindings.values() for low in binding.lows()]
-
-    def _held(self) -> list[torch.Tensor]:
-        """The parameters a bound optimizer holds whose sums a swap of their tensor would cut off: each
-        master's, and each float16/bfloat16 one still in its groups (unfrozen since its binding without a
-        master, or added since: hooked, bound at the next move)."""
-        unbound = [
-            param
-            for optimizer in self._bindings
-            for group in optimizer.param_groups
-            for param in group["params"]
-            if isinstance(param, torch.Tensor) and param.dtype in LOW_PRECISION
-        ]
-        return self._lows() + unbound
 
     def register_ddp(self, module: Any) -> None:
         """``scaler.register_ddp``: average the float32 sums of ``module``'s parameters across its ranks."""
@@ -428,7 +415,7 @@ class MasterWeights:
             optimizer.add_param_group = AddParamGroupChecked(optimizer, binding.lows, added)  # type: ignore[method-assign]
             self._bindings[optimizer] = binding
         if self._sums is not None:
-            self._sums.bind(binding, type(optimizer).__name__)
+            self._sums.bind(binding, optimizer)
             if any(p.dtype in LOW_PRECISION and not p.requires_grad for p in grads.iter_params(optimizer)):
                 self._sums.asleep(optimizer)  # frozen without a master: hooked at a scale() once unfrozen
         return binding

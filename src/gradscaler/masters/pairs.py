@@ -148,11 +148,13 @@ class Binding:
     def unsaved(self, params: list[torch.Tensor]) -> None:
         """A checkpoint loaded into the optimizer carries no master for these of its parameters (they had none
         when it was saved): each that is a master here takes its parameter's values at the next move, not
-        its own where they round to them (the parameter's loaded values were its master's)."""
-        for param in params:
-            pair = self.by_master.get(id(param))
-            if pair is not None:
-                pair.unsaved, pair.pending, pair.low_version = True, None, -1
+        its own where they round to them (the parameter's loaded values were its master's). Every other
+        pair forgets an earlier load's such mark."""
+        marked = {id(param) for param in params}
+        for pair in self.pairs:
+            pair.unsaved = id(pair.master) in marked
+            if pair.unsaved:
+                pair.pending, pair.low_version = None, -1
 
     def saved_value(self, param: torch.Tensor) -> torch.Tensor | None:
         """What a checkpoint saves for the optimizer's parameter ``param``: the master's value, or the loaded

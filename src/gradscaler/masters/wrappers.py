@@ -218,4 +218,4 @@ class AddParamGroupChecked:
 
 def _tensor_of(entry: Any) -> Any:
     """A group's entry as torch reads it: a parameter, or a ``(name, parameter)`` pair (named groups)."""
-    return entry[1] if isinstance(entry, tuple) and len(entry) == 2 else entry
+    return entry[1] if isinstance(entry, tuple) else entry
