@@ -8,7 +8,9 @@ steps and in the middle of an accumulation. Then the refusals, each changing not
 
 from __future__ import annotations
 
+import copy
 import functools
+import gc
 import io
 import warnings
 from typing import Any
@@ -1033,3 +1035,24 @@ def test_torchs_clipping_bound_by_name_before_the_first_step_is_warned(
     else:
         total = torch.linalg.vector_norm(torch.stack([m.grad.norm() for m in masters.values()]))
         assert ours == [] and total <= 1e-3 * 1.001
+
+
+@pytest.mark.parametrize("how", ["new, the first kept", "new, the first dropped", "deepcopy"])
+def test_a_second_scaler_taking_over_the_bound_optimizer_equals_the_recipe(how: str) -> None:
+    """A second scaler over the optimizer the first one bound (a new one given the first's state, or a deep
+    copy): its hooks replace the first's, so it steers alone and the run goes on as the recipe's. (Both hooks
+    ran before, the first's first: it moved each gradient and the second found none, so nothing was trained
+    while the first lived, and one iteration was lost when it was dropped; found by a hostile round.)"""
+    ours, reference = pair("adamw_foreach")
+    trace, expected = run(ours, range(3), 4, new_trace()), run(reference, range(3), 4, new_trace())
+    first = ours.scaler
+    if how == "deepcopy":
+        ours.scaler = copy.deepcopy(first)
+    else:
+        ours.scaler = fp32_scaler()
+        ours.scaler.load_state_dict(first.state_dict())
+    if how == "new, the first dropped":
+        del first
+        gc.collect()
+    assert_same_trace(run(ours, range(3, 7), 4, trace), run(reference, range(3, 7), 4, expected))
+    assert_same_state(ours.optimizer, reference.optimizer)

@@ -220,6 +220,17 @@ class Sum:
         self.fresh = True
         return master.grad is not None
 
+    def take_over(self, other: Sum) -> None:
+        """``other``, another scaler's hook on the same parameter, is removed and its sum of this iteration
+        carried over (in its hook, or in the master's gradient the two share): a second scaler over an optimizer
+        the first one bound steers alone, as its masters' checkpoint hooks do (with both hooks, the first moved
+        each gradient and the second found none: nothing was trained)."""
+        if other.handle is not None:
+            other.handle.remove()
+            other.handle = None
+        self.total, self.fresh, self.master = other.total, other.fresh, other.master
+        other.total = None
+
     def rehook(self, param: torch.Tensor) -> None:
         """Hook ``param`` again after torch's ``swap_tensors`` (``model.float()`` with the swap-tensors
         future): its new tensor has no post-accumulate-grad hook; the Python dictionary it still shows
@@ -417,6 +428,9 @@ class Accumulation:
             found.follow(param)
             return found
         found = Sum(param, self)
+        for other in list((getattr(param, "_post_accumulate_grad_hooks", None) or {}).values()):
+            if isinstance(other, Sum) and other.owner() is not self:
+                found.take_over(other)  # another scaler's: this one took its optimizer over (one binding steers)
         found.handle = param.register_post_accumulate_grad_hook(found)
         self._sums[id(param)] = found
         self.subclassed = self.subclassed or type(param) not in (torch.Tensor, torch.nn.Parameter)
