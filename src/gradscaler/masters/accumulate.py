@@ -117,9 +117,11 @@ LATER_HOOK_MESSAGE = (
 LATE_MESSAGE = (
     "accumulate_grads_in_fp32=True: {count} low-precision parameter(s) of optimizer {optimizer} met the "
     "scaler only at this step, after its first iteration (a model or optimizer new to a scaler that has "
-    "trained already): this iteration's micro-batches were summed by autograd in float16/bfloat16, "
-    "as without the argument; from the next iteration on they are summed in float32. For float32 from "
-    "the start, give a new model a new scaler (scaler.state_dict() carries the scale over)."
+    "trained already, or an optimizer first stepped later, such as a critic stepped every few iterations): "
+    "this iteration's micro-batches were summed by autograd in float16/bfloat16, as without the argument; "
+    "from the next iteration on they are summed in float32. For float32 from the start, give a new model a "
+    "new scaler (scaler.state_dict() carries the scale over), or call scaler.step on every optimizer in the "
+    "first iteration."
 )
 
 HIDDEN_MESSAGE = (
