@@ -304,8 +304,8 @@ def graph_leaves(output: torch.Tensor) -> list[torch.Tensor]:
                 found.append(variable)
             continue
         function = getattr(node, "run_function", None)
-        if function is not None:
-            found.extend(checkpointed(function))
+        if function is not None:  # and its other arguments (torch keeps them as ``inputs``, tensors as None)
+            found.extend(checkpointed((function, getattr(node, "inputs", None)), depth=5))
         stack.extend(next_node for next_node, _ in node.next_functions)
     return found
 
@@ -320,7 +320,8 @@ def checkpointed(function: Any, depth: int = 4) -> list[torch.Tensor]:
     so the checkpoint's graph node takes the parameters' gradients without showing their ``AccumulateGrad``
     nodes. Looked into, ``depth`` levels down: modules (all their parameters), bound methods, a
     ``functools.partial``'s function and arguments, a function's closure and default arguments, lists and
-    tuples (their first ``_WIDEST`` items: a closure over a long list of numbers costs nothing). Not a
+    tuples (the checkpoint's arguments other than tensors among them, such as a block passed to a function
+    that runs it; their first ``_WIDEST`` items: a closure over a long list of numbers costs nothing). Not a
     function's globals (a module-level function using a global model: the binding warns instead)."""
     params: dict[int, torch.Tensor] = {}
     seen: dict[int, Any] = {}  # held, so that no id is met again on another object
