@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 import gradscaler
+from gradscaler.masters import SAVED_KEY
 from integration_helpers import (
     EARLY_OVERFLOW,
     TinyGPT,
@@ -234,6 +235,64 @@ def test_hf_trainer_gradient_accumulation_steps_equals_the_recipe_with_float32_a
     assert len(run["norms"]) == 12 and any(n == n and n > 1.0 for n in run["norms"])  # finite, clipped
     assert all(grad is None for grad in run["grads"])
     assert_bit_identical(run, reference)
+
+
+def resumable_trainer_run(out: str, *, save_at: int | None = None, resume: str | None = None) -> dict[str, Any]:
+    """The unchanged Trainer under the patch (float16 tiny GPT-2, ``gradient_accumulation_steps=MICRO``, 16
+    steps, a checkpoint every ``save_at`` steps, or resumed from ``resume``): the parameters and the scale after
+    each optimizer step, by global step."""
+    from accelerate.state import GradientState
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from integration_helpers import tiny_gpt2
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    model = tiny_gpt2().to(torch.float16)
+    after: dict[int, tuple[dict[str, torch.Tensor], float]] = {}
+
+    class Record(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            after[state.global_step] = (params, scaler.get_scale())
+
+    ids = torch.randint(0, 8, (4, 16), generator=torch.Generator().manual_seed(1))
+    data = [{"input_ids": ids[i % 4], "labels": ids[i % 4]} for i in range(16 * 2 * MICRO)]
+    args = TrainingArguments(
+        output_dir=out, fp16=True, use_cpu=True, optim="adamw_torch_fused", learning_rate=3e-3, max_steps=16,
+        per_device_train_batch_size=2, gradient_accumulation_steps=MICRO, max_grad_norm=1.0, report_to=[],
+        save_strategy="steps" if save_at else "no", save_steps=save_at or 1, disable_tqdm=True, seed=0,
+        dataloader_num_workers=0,
+    )  # fmt: skip
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[Record()])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        scaler = torch.amp.GradScaler("cpu", **EARLY_OVERFLOW)
+    trainer.accelerator.native_amp = True
+    trainer.accelerator.scaler = scaler
+    trainer.train(resume_from_checkpoint=resume)
+    return after
+
+
+def test_hf_trainer_resume_from_checkpoint_equals_the_uninterrupted_run(tmp_path: Any) -> None:
+    """``Trainer.train(resume_from_checkpoint=...)`` after step 10 (four applied steps before it: the masters are
+    no longer the float16 weights) goes on as the run that saved, bit for bit: the masters travel in the
+    Trainer's optimizer.pt. Without them (the key taken out of the checkpoint) the resumed run differs."""
+    with gradscaler.patch_torch(master_weights=True, accumulate_grads_in_fp32=True):
+        full = resumable_trainer_run(str(tmp_path / "full"), save_at=10)
+        checkpoint = tmp_path / "full" / "checkpoint-10"
+        resumed = resumable_trainer_run(str(tmp_path / "resumed"), resume=str(checkpoint))
+        saved = torch.load(checkpoint / "optimizer.pt", weights_only=True)
+        assert all(SAVED_KEY in group for group in saved["param_groups"])
+        for group in saved["param_groups"]:
+            del group[SAVED_KEY]
+        torch.save(saved, checkpoint / "optimizer.pt")
+        stripped = resumable_trainer_run(str(tmp_path / "stripped"), resume=str(checkpoint))
+    assert sorted(resumed) == list(range(11, 17))
+    assert len({full[step][1] for step in range(1, 11)}) > 1  # steps were skipped and applied before the save
+    for step in range(11, 17):
+        assert_bit_identical(resumed[step], full[step], f"step {step}")
+    assert any(not torch.equal(stripped[16][0][k], full[16][0][k]) for k in full[16][0])
 
 
 lightning = pytest.importorskip("lightning")
