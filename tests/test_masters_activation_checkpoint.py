@@ -90,19 +90,37 @@ def assert_same(ours: System, reference: System) -> None:
     assert_same_state(ours.optimizer, reference.optimizer)
 
 
-def train(ours: System, reference: System, iterations: int = 3, micro: int = MICRO) -> list[str]:
-    """Both sides through the same iterations; parameters and optimizer state equal after each step. The
-    warnings issued, as text."""
-    batches = torch.Generator().manual_seed(1)
+def regression() -> Callable[[int, int], Any]:
+    """A seeded regression's batches, (x, y) for each (iteration, micro-batch), drawn in the order asked."""
+    draws = torch.Generator().manual_seed(1)
+    return lambda iteration, micro: (torch.randn(16, 8, generator=draws), torch.randn(16, 4, generator=draws))
+
+
+def squared_error(model: nn.Module, batch: Any) -> torch.Tensor:
+    x, y = batch
+    return (model(x) - y).pow(2).mean()
+
+
+def train(
+    ours: System,
+    reference: System,
+    iterations: int = 3,
+    micro: int = MICRO,
+    batch: Callable[[int, int], Any] | None = None,
+    loss: Callable[[nn.Module, Any], torch.Tensor] = squared_error,
+) -> list[str]:
+    """Both sides through the same iterations of ``micro`` batches (``batch(iteration, micro)``, by default
+    ``regression()``'s); parameters and optimizer state equal after each step. The warnings issued, as text."""
+    batch = batch or regression()
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        for _ in range(iterations):
+        for iteration in range(iterations):
             for system in (ours, reference):
                 system.zero_grad("optimizer", True)
-            for _ in range(micro):
-                x, y = torch.randn(16, 8, generator=batches), torch.randn(16, 4, generator=batches)
+            for number in range(micro):
+                drawn = batch(iteration, number)
                 for system in (ours, reference):
-                    system.backward((system.model(x) - y).pow(2).mean())
+                    system.backward(loss(system.model, drawn))
             for system in (ours, reference):
                 system.step()
                 system.update()
@@ -137,15 +155,14 @@ def test_a_function_the_scaler_cannot_look_into_is_warned_at_the_first_step() ->
     hooked, each backward's gradient moved into float32 at once."""
     model = Net("callable-object", True, torch.bfloat16)
     ours = Ours(model, adamw, fp32_scaler())
-    batches = torch.Generator().manual_seed(1)
+    batches = regression()
 
     def iteration(micro: int) -> tuple[list[str], list[torch.Tensor | None]]:
         with warnings.catch_warnings(record=True) as record:
             warnings.simplefilter("always")
             ours.zero_grad("optimizer", True)
-            for _ in range(micro):
-                x, y = torch.randn(16, 8, generator=batches), torch.randn(16, 4, generator=batches)
-                ours.backward((model(x) - y).pow(2).mean())
+            for number in range(micro):
+                ours.backward(squared_error(model, batches(0, number)))
             blocks = [p.grad for p in model.blocks.parameters()]
             ours.step()
             ours.update()
@@ -178,15 +195,10 @@ def test_hf_gradient_checkpointing_of_a_bfloat16_gpt2(reentrant: bool) -> None:
     model.train()
     ours, reference = pair(model)
     ids = torch.randint(0, 64, (3 * MICRO, 2, 16), generator=torch.Generator().manual_seed(1))
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        for iteration in range(3):
-            for system in (ours, reference):
-                system.zero_grad("optimizer", True)
-                for micro in range(MICRO):
-                    batch = ids[iteration * MICRO + micro]
-                    system.backward(system.model(input_ids=batch, labels=batch).loss)
-                system.step()
-                system.update()
-            assert_same(ours, reference)
-    assert not [w for w in record if "accumulate_grads_in_fp32" in str(w.message)]
+    messages = train(
+        ours,
+        reference,
+        batch=lambda iteration, micro: ids[iteration * MICRO + micro],
+        loss=lambda model, batch: model(input_ids=batch, labels=batch).loss,
+    )
+    assert not [message for message in messages if "accumulate_grads_in_fp32" in message]

@@ -43,7 +43,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from gradscaler import compiled
 from gradscaler.errors import warn
-from gradscaler.masters.checks import LOW_PRECISION
+from gradscaler.masters.checks import LOW_PRECISION, low_params
 from gradscaler.masters.ddp import DataParallel
 from gradscaler.masters.pairs import Binding
 from gradscaler.masters.wrappers import bound_clipping, route
@@ -347,17 +347,6 @@ def checkpointed(function: Any, depth: int = 4) -> list[torch.Tensor]:
                 below += item[:_WIDEST]
         level = below
     return [p for p in params.values() if p.dtype in LOW_PRECISION and p.requires_grad]
-
-
-def low_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The float16/bfloat16 tensors in ``optimizer``'s groups (the parameters it steps as masters are float32
-    there)."""
-    return [
-        param
-        for group in optimizer.param_groups
-        for param in group["params"]
-        if isinstance(param, torch.Tensor) and param.dtype in LOW_PRECISION
-    ]
 
 
 def _filled(cell: types.CellType) -> bool:

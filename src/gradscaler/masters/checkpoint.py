@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from gradscaler.errors import warn
-from gradscaler.masters.checks import LOW_PRECISION, PARAM_ATTR
+from gradscaler.masters.checks import LOW_PRECISION, PARAM_ATTR, low_params
 
 SAVED_KEY = "gradscaler_master_weights"
 """The key the optimizer's ``state_dict`` post-hook adds to each saved param group (removed on load)."""
@@ -206,7 +206,7 @@ def holds_masters(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer`` steps a float32 master (bound or copied), holds a checkpoint's masters that wait
     for their binding, or is ``pending`` and still holds a float16/bfloat16 parameter."""
     groups = optimizer.param_groups
-    if optimizer in _PENDING and any(p.dtype in LOW_PRECISION for group in groups for p in group["params"]):
+    if optimizer in _PENDING and low_params(optimizer):
         return True
     return any(SAVED_KEY in group or any(hasattr(p, PARAM_ATTR) for p in group["params"]) for group in groups)
 
@@ -301,9 +301,8 @@ def load_hook(
                         "masters": {i: saved["masters"][i] for i in left},
                         "state": {i: state[i] for i in left if i in state},
                     }
-            unsaved(
-                [p for group in optimizer.param_groups for p in group["params"] if carries and id(p) not in restored]
-            )
+            others = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in restored]
+            unsaved(others if carries else [])
         done()
 
     return hook

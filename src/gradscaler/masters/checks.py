@@ -20,6 +20,18 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)
 PARAM_ATTR = "_gradscaler_param"
 """The attribute of a master naming its model parameter; it travels with pickles and deep copies."""
 
+
+def low_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The float16/bfloat16 tensors in ``optimizer``'s groups, in group order (the parameters it steps as
+    masters are float32 there: these have none yet, or are frozen)."""
+    return [
+        param
+        for group in optimizer.param_groups
+        for param in group["params"]
+        if isinstance(param, torch.Tensor) and param.dtype in LOW_PRECISION
+    ]
+
+
 WRITTEN_LOW_GRADS_MESSAGE = (
     "The float16/bfloat16 gradient of {name} was written after scaler.unscale_(optimizer) moved it to its "
     "float32 master, which is what the optimizer steps (a clipping over model.parameters() other than "

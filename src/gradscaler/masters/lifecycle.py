@@ -54,6 +54,7 @@ from gradscaler.masters.checks import (
     check_inner_optimizers,
     check_params,
     describe,
+    low_params,
     needs_master,
     refuse_disabled,
     stands_in,
@@ -387,7 +388,7 @@ class MasterWeights:
             # nothing to master (yet): bound when a low-precision parameter appears. Any held now is frozen
             # (else it would stand in): the optimizer counts as one of masters for the distributed-checkpoint
             # refusal, and with float32 sums it is hooked at a scale() once unfrozen, as in a bound optimizer
-            if any(p.dtype in LOW_PRECISION for p in grads.iter_params(optimizer)):
+            if low_params(optimizer):
                 checkpoint.pending(optimizer)
                 if self._sums is not None:
                     self._sums.asleep(optimizer)
@@ -416,7 +417,7 @@ class MasterWeights:
             self._bindings[optimizer] = binding
         if self._sums is not None:
             self._sums.bind(binding, optimizer)
-            if any(p.dtype in LOW_PRECISION and not p.requires_grad for p in grads.iter_params(optimizer)):
+            if any(not p.requires_grad for p in low_params(optimizer)):
                 self._sums.asleep(optimizer)  # frozen without a master: hooked at a scale() once unfrozen
         return binding
 
