@@ -26,6 +26,13 @@ _NO_CUDA_MESSAGE = (
     "gradscaler.GradScaler(device='cuda') is enabled, but CUDA is not available.  Disabling: scale() returns "
     "its input unchanged and step() calls optimizer.step() as it is. Pass device='cpu' to scale on the CPU."
 )
+_MIXED_MESSAGE = (
+    "Call unscale_() (or clip_grad_norm_()) once per iteration, after the last backward of the accumulation "
+    "window (with Accelerate: inside `if accelerator.sync_gradients:`), or zero_grad() before a new backward "
+    "to start the iteration again. {call} found gradients that unscale_() divided by the scale and a later "
+    "backward added scaled gradients to: a sum that is neither, which no step can use. torch's scaler raises "
+    "at the second unscale_() and steps such a sum as it is (docs/migration.md)."
+)
 _PICKLE_MESSAGE = (
     "A GradScaler instance may only be pickled at the beginning of an iteration, or at the end after scaler.update()."
 )
@@ -36,8 +43,8 @@ class OptimizerRecord(TypedDict, total=False):
 
     ``stage`` and ``found_inf_per_device`` are torch's two keys (torch's ``OptState``); the others are
     ours: the agreed flag, a weak reference to the optimizer, the ``grad_scale`` a fused optimizer
-    receives after clipping, whether ``clip_grad_norm_`` ran, and the gradients an unscaled record
-    describes when ``scale()`` found it not stepped (see ``stale``).
+    receives after clipping, whether ``clip_grad_norm_`` ran, the gradients an unscaled record
+    describes when ``scale()`` found it not stepped, and whether a backward added to them (``stale``).
     """
 
     stage: OptState
@@ -47,6 +54,7 @@ class OptimizerRecord(TypedDict, total=False):
     grad_scale: torch.Tensor
     clipped: bool
     grads_seen: stale.GradSnapshot
+    mixed: bool
 
 
 def _refresh_per_optimizer_state() -> OptimizerRecord:
@@ -328,6 +336,8 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         record = self._record(optimizer)
         if record["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
+        if record.get("mixed"):
+            raise RuntimeError(_MIXED_MESSAGE.format(call="step()"))
         if fused.supports_amp_scaling(optimizer):
             return self._begin_fused_step(target, optimizer, record, args, kwargs)
         if record["stage"] is OptState.READY:
@@ -616,6 +626,8 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
             raise RuntimeError(f"{call} has already been called on this optimizer since the last update().")
         if record["stage"] is OptState.STEPPED:
             raise RuntimeError(f"{call} is being called after step().")
+        if record.get("mixed"):
+            raise RuntimeError(_MIXED_MESSAGE.format(call=call))
 
     def _inv_scale(self) -> torch.Tensor:
         scale, _ = self._check_scale_growth_tracker("unscale_")
@@ -655,6 +667,9 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         record = self._per_optimizer_states[id(optimizer)]
         seen = record.pop("grads_seen", None)  # checked once: our own clipping may write the gradients next
         if seen is not None and seen.changed(self._watched(optimizer)):
+            if not seen.cleared():  # added to the unscaled gradients: refused by unscale_, clip and step
+                record["mixed"] = True
+                return record
             record = self._per_optimizer_states[id(optimizer)] = _refresh_per_optimizer_state()
             self._masters.end(optimizer)  # the new gradients are moved into the masters afresh
         return record
@@ -664,8 +679,9 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         for record in self._per_optimizer_states.values():
             optimizer = record["optimizer"]() if "optimizer" in record else None
             if record["stage"] is OptState.UNSCALED and "grads_seen" not in record and optimizer is not None:
+                left = stale.largest_magnitude(self._masters.added_to(optimizer, self._params(optimizer)))
                 self._masters.release(optimizer)  # the new backward must not add to the kept float16 gradients
-                record["grads_seen"] = stale.GradSnapshot(self._watched(optimizer))
+                record["grads_seen"] = stale.GradSnapshot(self._watched(optimizer), left)
 
     def _watched(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
         """The parameters whose gradients a new backward (or ``zero_grad``) changes: the optimizer's, and

@@ -15,6 +15,13 @@ optimizer starts the iteration afresh. Unchanged gradients mean a retry of the s
 backward that wrote only other optimizers' gradients): the record stands, and the gradients are
 stepped exactly as they are. Version counters alone would not do: ``torch.nn.utils.clip_grad_norm_``
 after ``unscale_`` moves them in the standard recipe, with no ``scale()`` in between.
+
+A new backward is not always a new iteration: a loop that unscales at every micro-batch (Accelerate's
+``clip_grad_norm_`` written outside ``if accelerator.sync_gradients:``) adds the next micro-batch's
+scaled gradients to the unscaled ones, a sum that is neither. The snapshot tells the two apart by what
+the backward found: gradients that ``zero_grad`` cleared (None, or all zeros) start a new iteration;
+any other value left there means accumulation onto unscaled gradients (``GradSnapshot.cleared``), which
+the scaler refuses as torch's scaler does at the second ``unscale_``.
 """
 
 from __future__ import annotations
@@ -26,17 +33,25 @@ import torch
 
 
 class GradSnapshot:
-    """Which gradient tensor each parameter holds, and its version counter, at one moment.
+    """Which gradient tensor each parameter holds, and its version counter, at one moment; and whether
+    the gradients a backward would add to were all cleared then.
 
-    Holds weak references only: a snapshot never keeps a gradient (or a parameter) alive.
+    Holds weak references only: a snapshot never keeps a gradient (or a parameter) alive. ``left``:
+    ``largest_magnitude`` of the gradients a new backward adds to, taken at the same moment or just before.
     """
 
-    __slots__ = ("_refs", "_versions")
+    __slots__ = ("_left", "_refs", "_versions")
 
-    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+    def __init__(self, params: Sequence[torch.Tensor], left: torch.Tensor | None = None) -> None:
         grads = [p.grad for p in params]
         self._refs = [None if g is None else weakref.ref(g) for g in grads]
         self._versions = [None if g is None else g._version for g in grads]
+        self._left = left
+
+    def cleared(self) -> bool:
+        """Whether every gradient a backward would add to was None or all zeros when the snapshot was
+        taken (a ``zero_grad``). Reads the device once; only asked after ``changed``."""
+        return self._left is None or bool(self._left.eq(0).item())
 
     def changed(self, params: Sequence[torch.Tensor]) -> bool:
         """Whether any parameter of ``params`` now holds another gradient, or one written since."""
@@ -50,3 +65,25 @@ class GradSnapshot:
             elif ref() is not grad or grad._version != version:
                 return True
         return False
+
+
+def largest_magnitude(params: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The largest magnitude over the gradients of ``params`` as a device tensor (NaN when any is NaN),
+    None when all are None: no host sync, so ``scale()`` pays nothing it may not need."""
+    present = [p.grad for p in params if p.grad is not None]
+    if not present:
+        return None
+    dense: list[torch.Tensor] = []
+    peaks: list[torch.Tensor] = []
+    with torch.no_grad():
+        for grad in present:
+            if type(grad) is torch.Tensor and grad.layout is torch.strided and grad.numel():
+                dense.append(grad)
+                continue
+            values = grad.coalesce().values() if grad.is_sparse else getattr(grad, "_local_tensor", grad)
+            peak = values.abs().amax() if values.numel() else values.new_zeros(())  # sparse, DTensor, empty
+            peaks.append(peak.to(torch.float32))
+        if dense:
+            peaks += [norm.to(torch.float32) for norm in torch._foreach_norm(dense, float("inf"))]
+        device = peaks[0].device
+        return torch.stack([peak.to(device) for peak in peaks]).amax()

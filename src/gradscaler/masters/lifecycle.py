@@ -216,6 +216,14 @@ class MasterWeights:
         binding = self._bindings.get(optimizer)
         return [] if binding is None else binding.lows()
 
+    def added_to(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Of ``params`` (``optimizer``'s) and its masters' parameters, those whose gradients a backward adds
+        to: a master's own only with float32 sums (else the next move overwrites it), and the parameters'."""
+        binding = self._bindings.get(optimizer)
+        if binding is None or self._sums is not None:
+            return params + ([] if binding is None else binding.lows())
+        return [p for p in params if id(p) not in binding.by_master] + binding.lows()
+
     def move(
         self,
         optimizer: torch.optim.Optimizer,
@@ -497,6 +505,9 @@ class NoMasters:
 
     def lows(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
         return []
+
+    def added_to(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        return params
 
     def move(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Moved:
         return NOTHING
