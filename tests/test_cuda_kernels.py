@@ -140,9 +140,9 @@ def test_telemetry_records_land_without_a_sync() -> None:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     telemetry = scaler._telemetry
-    mirrors = list(telemetry._in_flight) + telemetry._free  # in flight, or landed and kept for reuse
-    assert mirrors and all(m.counters.is_pinned() and m.row.is_pinned() for m in mirrors)
-    assert all(m.event is not None for m in telemetry._in_flight)
+    buffers = [b.host for b in telemetry._in_flight] + [h for free in telemetry._buffers.values() for h in free]
+    assert buffers and all(host.is_pinned() for host in buffers)  # in flight, or landed and kept for reuse
+    assert all(b.event is not None for b in telemetry._in_flight)
     stats = scaler.stats()  # delivers the records still in flight
     assert [r["step"] for r in records] == list(range(1, 41))
     assert [i for i, r in enumerate(records) if r["skipped"]] == [5, 6, 17]

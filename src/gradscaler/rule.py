@@ -246,13 +246,13 @@ def update_scale_(
     hysteresis_tracker: torch.Tensor,
     found_inf: torch.Tensor,
     rule: ScaleRule,
-    before: float | None = None,
+    span: tuple[float, float] | None = None,
 ) -> None:
     """Apply one step of the rule in place. ``found_inf`` is a 0-d float tensor, nonzero on overflow.
 
-    All four tensors live on one device. Nothing is read back to the host. ``before``: the scale as a
-    number, when the caller holds it (host memory); the clamp is then skipped when neither factor can
-    take the scale out of bounds.
+    All four tensors live on one device. Nothing is read back to the host. ``span``: the least and
+    greatest the scale can be now, when the caller knows (its telemetry); the clamp is then skipped
+    when neither factor can take any scale of the span out of bounds.
     """
     if rule.matches_torch_kernel:
         # One launch for the common case; the floor/ceiling clamp is the only addition.
@@ -260,7 +260,7 @@ def update_scale_(
             scale, growth_tracker, found_inf, rule.growth_factor, rule.backoff_factor, rule.growth_interval
         )
         low, high = rule.steady
-        if before is None or not low <= before <= high:
+        if span is None or not low <= span[0] <= span[1] <= high:
             clamp_scale_(scale, rule)
         return
     update_scale_reference_(scale, growth_tracker, hysteresis_tracker, found_inf, rule)

@@ -174,6 +174,7 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         self._growth_tracker: torch.Tensor | None = None
         self._hysteresis_tracker: torch.Tensor | None = None
         self._telemetry: Keeper | None = None
+        self._rule_seen: rule.ScaleRule | None = None  # the rule the telemetry's span was last taken under
         self._scale_on_host = False  # set with the scale: reading it costs the host nothing (the CPU)
         self._last_found_inf: torch.Tensor | None = None
         self._param_lists: grads.WeakById[grads.ParamList] = grads.WeakById()  # by optimizer, no longer than it
@@ -412,6 +413,8 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         self._masters.end_iteration()
         if new_scale is not None:
             rule.set_scale_(scale, new_scale, self._rule, self._scale_on_host, self._device)
+            assert self._telemetry is not None
+            self._telemetry.rebase()
             self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
             return
         records = list(self._per_optimizer_states.values())
@@ -420,9 +423,12 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
             raise AssertionError("No inf checks were recorded prior to update.")
         found = grads.combine_flags(flags)
         assert self._hysteresis_tracker is not None and self._telemetry is not None
+        if self._rule is not self._rule_seen:  # the span below assumes one rule's factors since the last read
+            self._telemetry.rebase()
+            self._rule_seen = self._rule
         before = self._telemetry.before(scale)  # a float when the scale is in host memory
-        held = before if self._scale_on_host else None
-        rule.update_scale_(scale, growth_tracker, self._hysteresis_tracker, found, self._rule, held)
+        span = self._telemetry.span(self._rule.growth_factor, self._rule.backoff_factor)
+        rule.update_scale_(scale, growth_tracker, self._hysteresis_tracker, found, self._rule, span)
         tag, carry = self._monitor.record_update(records, found, self._rule)
         self._telemetry.record_(found, before, scale, self._rule.lower, tag, carry)
         self._last_found_inf = found
@@ -514,6 +520,8 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         writes them as JSON lines and documents the fields.
         """
         self._monitor.add_logger(callback, every)
+        if self._telemetry is not None:
+            self._telemetry.copy_every(1)  # each record on the host a step later, as a logger expects
 
     @compiled.eager
     def nonfinite_parameters(self) -> list[str]:
@@ -575,6 +583,8 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         self._monitor.steps = loaded.steps
         if self._scale is not None:
             self._scale.fill_(loaded.scale)
+        if self._telemetry is not None:
+            self._telemetry.rebase()
         if self._growth_tracker is not None:
             self._growth_tracker.fill_(loaded.growth_tracker)
         if self._hysteresis_tracker is not None:
@@ -698,6 +708,8 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         self._telemetry = make_telemetry(
             self._scale.device, self._history, self._init_counters, on_host=self._scale_on_host
         )
+        if self._monitor.loggers:
+            self._telemetry.copy_every(1)
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:  # type: ignore[override]
         self._check_scale_growth_tracker("_check_inf_per_device")

@@ -2,15 +2,14 @@
 
 Every ``update()`` adds one record. Two keepers share one accounting (``events`` and ``CONSECUTIVE``):
 
-* ``Telemetry``, for a scale on an accelerator: a handful of tiny device ops per record, nothing read
-  back. The host sees each record through a mirror: the counters, the scale before and after and the
-  overflow flag (and whatever the caller asks to carry along) are copied into (pinned, on CUDA) host
-  memory without blocking, and the host reads the copy once it has landed, normally one step later.
-  Every record lands, in order: a copy still in flight keeps its own buffers. Works under CUDA-graph
-  capture (the counters then stay on the device).
+* ``Telemetry``, for a scale on an accelerator: one device op per record (a copy of the scale), nothing
+  read back on the way. The flags and scales of ``RECORDS_PER_COPY`` records travel to (pinned, on
+  CUDA) host memory in one non-blocking copy, and the host accounts them once it has landed, with
+  ``HostTelemetry``'s code. Every record lands, in order. Works under CUDA-graph capture (captured
+  records are written to a device ring and accounted when read).
 * ``HostTelemetry``, for a scale in host memory (the CPU): the record is kept in Python numbers. Reading
   a CPU tensor costs what reading a float does, while each tiny tensor op costs 1-2 us of dispatch:
-  this keeper costs ~3 us per record where ``Telemetry`` costs ~30.
+  this keeper reads the flag and the scale at once.
 
 ``make_telemetry`` picks one. ``stats()`` reads the current values and may sync; the per-step path never does.
 """
@@ -29,8 +28,10 @@ CONSECUTIVE = (False, True, False, False, True)
 SATURATE = 2**62
 """Counters stop here rather than wrap (int64)."""
 IN_FLIGHT = 1024
-"""Most records ``Telemetry`` keeps unread; beyond, the oldest one's buffers take the newest (that
-record is lost: only when nobody calls ``landed``, or the host runs this many updates ahead of the device)."""
+"""Most records ``landed`` holds unread (the oldest go first: only when nobody calls it); ``Telemetry``
+also waits for its oldest copy rather than run this many updates ahead of the device."""
+RECORDS_PER_COPY = 16
+"""Records ``Telemetry`` carries to the host in one copy: two device ops per this many updates."""
 
 _Event = TypeVar("_Event")
 
@@ -59,6 +60,9 @@ class Keeper(Protocol):
     """What the scaler asks of a telemetry keeper."""
 
     def before(self, scale: torch.Tensor) -> Any: ...
+    def rebase(self) -> None: ...
+    def copy_every(self, records: int) -> None: ...
+    def span(self, growth: float, backoff: float) -> tuple[float, float] | None: ...
     def record_(
         self,
         found: torch.Tensor,
@@ -80,113 +84,208 @@ def make_telemetry(device: torch.device, history: int, counters: list[int], *, o
 
 
 class Telemetry:
-    """Device-side counters of one scaler.
+    """The keeper for a scale on an accelerator: one device op per update, the accounting on the host.
 
-    ``counters`` (int64): skipped steps, consecutive skips, growths, backoffs, and consecutive
-    overflows at the minimum scale (``collapse_run``). ``ring`` holds the last ``history`` steps (scale
-    after the update, overflow flag, scale before); ``cursor`` (a device tensor) counts the records written.
+    Each ``record_`` keeps the update's overflow flag as it is (a tensor of that iteration, which
+    nothing writes again) and one copy of the scale after it; the scale before it is the previous
+    record's after, unless ``rebase`` said the scale moved outside the rule (the next ``before`` then
+    copies it). Every ``RECORDS_PER_COPY`` records, or when read, one ``stack`` and one non-blocking copy
+    to (pinned, on CUDA) host memory carry a batch over; once a batch's copy has landed, the host
+    accounts its records exactly as ``HostTelemetry`` does (the same code). So a record reaches
+    ``landed`` up to ``RECORDS_PER_COPY`` updates later than it is made (``copy_every``: one, with a
+    logger attached), plus however far the host runs ahead of the device; ``read``, ``histories`` and
+    ``landed(wait=True)`` wait for every record.
+
+    Under CUDA-graph capture the captured update writes its flag and scale into a device ring instead
+    (three ops, replayed with the graph, ``RING`` records between two reads); reads account its rows
+    after the records made before the capture.
     """
 
     def __init__(self, device: torch.device, history: int, counters: list[int]) -> None:
-        self.history = history
-        self.counters = torch.tensor(counters, dtype=torch.int64, device=device)
-        self._kept = torch.tensor([not c for c in CONSECUTIVE], dtype=torch.int64, device=device)
-        self.ring = torch.full((history, 3), math.nan, dtype=torch.float32, device=device)
-        self.cursor = torch.zeros(1, dtype=torch.int64, device=device)  # records written (a device tensor: graph-safe)
+        self._host = HostTelemetry(history, counters)
+        self._device = device
         self._pin = device.type == "cuda"
-        self._in_flight: deque[_Mirror] = deque()  # copies issued, oldest first
-        self._free: list[_Mirror] = []  # mirrors whose copy has been read
+        self._pending: list[tuple[torch.Tensor, torch.Tensor, float, Any, torch.Tensor | None]] = []
+        self._per_copy = RECORDS_PER_COPY
+        self._first_before: torch.Tensor | None = None  # the scale before the pending batch, when copied
+        self._in_flight: deque[_Batch] = deque()  # copies issued, oldest first
+        self._landed: deque[Landed] = deque(maxlen=IN_FLIGHT)
+        self._buffers: dict[int, list[torch.Tensor]] = {}  # host buffers read already, by length
+        self._last_after: float | None = None  # the scale after the last accounted record
+        self._rebased = True  # the next record's before is a copy of the scale (none before it yet)
+        self._made = self._accounted = self._rebased_at = 0  # records made, accounted; made at the last rebase
+        # allocated now: a buffer made during a capture would be filled by each replay, not before
+        self._ring = _Ring(device, history) if device.type == "cuda" else None
+        self._captured = False  # a captured update writes into the ring
 
-    def before(self, scale: torch.Tensor) -> torch.Tensor:
-        """The scale as it is now, to pass to ``record_`` after the update (a device copy)."""
+    def _capturing(self) -> bool:
+        return self._ring is not None and torch.cuda.is_current_stream_capturing()
+
+    def before(self, scale: torch.Tensor) -> torch.Tensor | None:
+        """The scale as it is now, when the previous record's after is not it (a device copy), else None."""
+        if not self._rebased or self._capturing():
+            return None
+        self._flush()  # a batch starts at a copied before
+        self._rebased = False
         return scale.clone()
+
+    def rebase(self) -> None:
+        """The scale was set outside the rule (``update(new_scale)``, a load): the next record copies it."""
+        self._rebased = True
+        self._rebased_at = self._made
+
+    def copy_every(self, records: int) -> None:
+        """Carry records to the host ``records`` at a time (1 with a logger: each lands a step later)."""
+        self._per_copy = records
+        if len(self._pending) >= records:
+            self._flush()
+
+    def span(self, growth: float, backoff: float) -> tuple[float, float] | None:
+        """The least and greatest the scale can be now, from the last accounted record's scale and the
+        updates made since (each a ``growth`` or a ``backoff`` at most); None when unknown."""
+        if self._accounted <= self._rebased_at or self._last_after is None or self._captured or self._capturing():
+            return None  # no record since the scale was set is on the host; a captured update replays from any scale
+        unseen = self._made - self._accounted
+        try:
+            return self._last_after * backoff**unseen, self._last_after * growth**unseen
+        except OverflowError:
+            return None
 
     def record_(
         self,
         found: torch.Tensor,
-        before: torch.Tensor,
+        before: torch.Tensor | None,
         after: torch.Tensor,
         lower: float,
         tag: Any = None,
         carry: torch.Tensor | None = None,
     ) -> None:
-        """Account for one update: ``found`` 0-d float flag, the scale ``before`` and ``after`` it.
-
-        ``tag`` (any host object) and ``carry`` (a device tensor, copied to the host without blocking
-        along with the counters) come back with this record from ``landed``.
-        """
-        skipped = found != 0
-        happened = torch.stack(events(skipped, after > before, after < before, skipped & (before <= lower))).long()
-        # counter = (counter + event) * (event or not CONSECUTIVE): counts, and runs that reset to 0
-        self.counters.add_(happened).mul_(happened.bitwise_or_(self._kept)).clamp_(max=SATURATE)
-        slot = self.cursor.remainder(self.history)
-        row = torch.stack([after, found, before])
-        self.ring.index_copy_(0, slot, row.view(1, 3))
-        self.cursor.add_(1)
-        if self.counters.is_cuda and torch.cuda.is_current_stream_capturing():
-            return  # under CUDA-graph capture the counters stay on the device: read them with stats()
-        if len(self._in_flight) >= IN_FLIGHT:
-            # Nobody reads them (no logger): reuse the oldest; copies into one buffer land in stream order.
-            mirror = self._in_flight.popleft()
-        else:
-            mirror = self._free.pop() if self._free else _Mirror(self._pin)
-        mirror.counters.copy_(self.counters, non_blocking=True)
-        mirror.row.copy_(row, non_blocking=True)
-        mirror.carried = None if carry is None else carry.to("cpu", non_blocking=True)
-        mirror.tag = tag
-        if self.counters.is_cuda:
-            mirror.event = torch.cuda.Event()
-            mirror.event.record()
-        self._in_flight.append(mirror)
+        """Account for one update: ``found`` 0-d float flag, ``before`` from ``before()``, the scale
+        ``after`` it (copied here). ``tag`` (any host object) and ``carry`` (a device tensor, copied to
+        the host without blocking) come back with this record from ``landed``."""
+        if self._capturing():
+            assert self._ring is not None
+            self._ring.write_(found, after)  # the records pending stay so, to be copied after the capture
+            self._ring.lower, self._captured = lower, True
+            return
+        if before is not None:
+            self._first_before = before
+        carried = None if carry is None else carry.to("cpu", non_blocking=True)
+        self._pending.append((found, after.clone(), lower, tag, carried))
+        self._made += 1
+        if len(self._pending) >= self._per_copy:
+            self._flush()
+        self._drain(wait=False)
 
     def landed(self, wait: bool = False) -> list[Landed]:
-        """The records whose copy has landed on the host since the last call, oldest first. No sync,
-        unless ``wait``: then every record issued so far (the host waits for their copies)."""
-        if self.counters.is_cuda and torch.cuda.is_current_stream_capturing():
+        """The records accounted since the last call, oldest first (at most ``IN_FLIGHT``). No sync,
+        unless ``wait``: then every record made so far (the host waits for their copies)."""
+        if self._capturing():
             return []  # an event cannot be queried while a graph is being captured
-        out = []
-        while self._in_flight:
-            mirror = self._in_flight[0]
-            if mirror.event is not None:
-                if wait:
-                    mirror.event.synchronize()
-                elif not mirror.event.query():
-                    break
-            self._in_flight.popleft()
-            after, found, before = mirror.row.tolist()
-            counters: dict[str, Any] = dict(zip(COUNTERS, mirror.counters.tolist(), strict=True))
-            counters["scale"] = after
-            out.append(Landed(counters, found != 0, after != before, mirror.tag, mirror.carried))
-            mirror.tag = mirror.carried = mirror.event = None
-            self._free.append(mirror)
+        if wait:
+            self._flush()
+        self._drain(wait)
+        out = list(self._landed)
+        self._landed.clear()
         return out
 
     def read(self) -> dict[str, int]:
-        """The current counters (syncs with the device)."""
-        return dict(zip(COUNTERS, self.counters.tolist(), strict=True))
+        """The current counters (waits for every record)."""
+        self._drain_all()
+        return self._host.read()
 
     def load(self, counters: list[int]) -> None:
-        """Replace the counters (no sync)."""
-        self.counters.copy_(self.counters.new_tensor(counters))
+        """Replace the counters, after every record made so far is accounted (waits for them)."""
+        self._drain_all()
+        self._host.load(counters)
 
     def histories(self) -> tuple[list[float], list[bool]]:
-        """Scale and skip flag of the last ``min(steps, history)`` steps, oldest first (syncs)."""
-        steps = int(self.cursor.tolist()[0])
-        count = min(steps, self.history)
-        order = [(steps - count + i) % self.history for i in range(count)]
-        rows = self.ring[torch.tensor(order, dtype=torch.long, device=self.ring.device)].tolist()
-        return [row[0] for row in rows], [row[1] != 0 for row in rows]
+        """Scale and skip flag of the last ``min(steps, history)`` steps, oldest first (waits)."""
+        self._drain_all()
+        return self._host.histories()
+
+    def _drain_all(self) -> None:
+        self._flush()
+        self._drain(wait=True)
+
+    def _flush(self) -> None:
+        """Start the copy of the pending records: one stack, one non-blocking copy."""
+        if not self._pending:
+            return
+        records, self._pending = self._pending, []
+        values = [found.reshape(()) for found, *_ in records] + [after for _, after, *_ in records]
+        if self._first_before is not None:
+            values.append(self._first_before)
+        stacked = torch.stack([v if v.dtype == torch.float32 else v.float() for v in values])
+        free = self._buffers.setdefault(stacked.shape[0], [])
+        host = free.pop() if free else torch.empty(stacked.shape, dtype=torch.float32, pin_memory=self._pin)
+        host.copy_(stacked, non_blocking=True)
+        event = None
+        if stacked.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        self._in_flight.append(_Batch(host, [(lower, tag, carried) for *_, lower, tag, carried in records], event))
+        self._first_before = None
+
+    def _drain(self, wait: bool) -> None:
+        """Account every batch whose copy has landed (all of them with ``wait``), in order."""
+        while self._in_flight:
+            batch = self._in_flight[0]
+            if batch.event is not None:
+                if wait or len(self._in_flight) > IN_FLIGHT // RECORDS_PER_COPY:
+                    batch.event.synchronize()  # the host runs that far ahead only if nobody reads
+                elif not batch.event.query():
+                    break
+            self._in_flight.popleft()
+            values = batch.host.tolist()
+            self._buffers[batch.host.shape[0]].append(batch.host)  # read: free for a later copy
+            count = len(batch.records)
+            before = values[2 * count] if len(values) > 2 * count else self._last_after
+            for index, (lower, tag, carried) in enumerate(batch.records):
+                found, after = values[index], values[count + index]
+                assert before is not None, "the first record copies its before"
+                self._landed.append(self._host.account(found != 0, before, after, lower, tag, carried))
+                before = self._last_after = after
+                self._accounted += 1
+        if wait and self._captured:
+            assert self._ring is not None
+            for found, after in self._ring.read():
+                before = self._last_after if self._last_after is not None else after
+                self._landed.append(self._host.account(found != 0, before, after, self._ring.lower))
+                self._last_after = after
 
 
-class _Mirror:
-    """Host buffers for one record's copy: counters, (scale after, flag, scale before), what was carried."""
+class _Batch(NamedTuple):
+    """A batch of records in flight: host buffer (flags, scales after, maybe the before), per record
+    ``(lower, tag, carried)``, and the event its copy completes (None off CUDA)."""
 
-    def __init__(self, pin: bool) -> None:
-        self.counters = torch.zeros(len(COUNTERS), dtype=torch.int64, device="cpu", pin_memory=pin)
-        self.row = torch.zeros(3, dtype=torch.float32, device="cpu", pin_memory=pin)
-        self.carried: torch.Tensor | None = None
-        self.tag: Any = None
-        self.event: Any = None
+    host: torch.Tensor
+    records: list[tuple[float, Any, torch.Tensor | None]]
+    event: Any
+
+
+class _Ring:
+    """Flags and scales written by captured updates, on the device, read back when the host waits."""
+
+    def __init__(self, device: torch.device, size: int) -> None:
+        self.lower = -math.inf  # the rule's floor when the graph was captured
+        self.rows = torch.zeros((size, 2), dtype=torch.float32, device=device)
+        self.cursor = torch.zeros(1, dtype=torch.int64, device=device)
+        self.read_upto = 0
+
+    def write_(self, found: torch.Tensor, after: torch.Tensor) -> None:
+        slot = self.cursor.remainder(self.rows.shape[0])
+        self.rows.index_copy_(0, slot, torch.stack([found.reshape(()).float(), after]).view(1, 2))
+        self.cursor.add_(1)
+
+    def read(self) -> list[tuple[float, float]]:
+        """The rows written since the last read, oldest first (the newest ``size`` of them)."""
+        written = int(self.cursor.item())
+        size = self.rows.shape[0]
+        start = max(self.read_upto, written - size)
+        rows = self.rows.tolist()
+        self.read_upto = written
+        return [(rows[i % size][0], rows[i % size][1]) for i in range(start, written)]
 
 
 class HostTelemetry:
@@ -204,11 +303,23 @@ class HostTelemetry:
         self._counters: list[int] = []
         self._landed: dict[str, Any] = {}
         self._last: Landed | None = None
+        self._now: float | None = None  # the scale the last ``before`` read
         self.load(counters)
 
     def before(self, scale: torch.Tensor) -> float:
         """The scale as it is now, to pass to ``record_`` after the update."""
-        return scale.item()
+        self._now = scale.item()
+        return self._now
+
+    def rebase(self) -> None:
+        """Nothing to do: every record reads its scale before."""
+
+    def copy_every(self, records: int) -> None:
+        """Nothing to do: every record is on the host at once."""
+
+    def span(self, growth: float, backoff: float) -> tuple[float, float] | None:
+        """The scale as the last ``before`` read it (both ends)."""
+        return None if self._now is None else (self._now, self._now)
 
     def record_(
         self,
@@ -221,7 +332,12 @@ class HostTelemetry:
     ) -> None:
         """Account for one update: ``found`` 0-d float flag, the scale ``before`` and ``after`` it.
         ``tag`` and ``carry`` come back with the record from ``landed``."""
-        skipped, now = found.item() != 0, after.item()
+        self._last = self.account(found.item() != 0, before, after.item(), lower, tag, carry)
+
+    def account(
+        self, skipped: bool, before: float, now: float, lower: float, tag: Any = None, carry: torch.Tensor | None = None
+    ) -> Landed:
+        """The accounting of one update from host values (both keepers'): counters, the ring, its record."""
         happened = events(skipped, now > before, now < before, skipped and before <= lower)
         if any(happened) or any(self._counters[i] for i in _RUNS) or now != self._landed["scale"]:
             self._counters = [
@@ -232,7 +348,7 @@ class HostTelemetry:
         slot = self._records % self.history
         self._scales[slot], self._skipped[slot] = now, skipped
         self._records += 1
-        self._last = Landed(self._landed, skipped, now != before, tag, carry)
+        return Landed(self._landed, skipped, now != before, tag, carry)
 
     def landed(self, wait: bool = False) -> list[Landed]:
         """The last record, once (nothing to wait for on the host); its counters dict is shared between calls."""
