@@ -284,9 +284,11 @@ def _generic(grads: list[torch.Tensor], norm_type: float | None, inv_scale: torc
     present = [g for g in grads if g.numel()]  # the inf-norm of nothing is an error
 
     def per_tensor(values: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> torch.Tensor:
-        zero = torch.zeros((), dtype=acc, device=device)
-        it = iter(values)
-        return torch.stack([next(it).to(acc) if g.numel() else zero for g in grads])
+        """One value per gradient (0 for an empty one), widened in one op: not a conversion per tensor."""
+        if len(values) != len(grads):
+            zero, it = values[0].new_zeros(()), iter(values)
+            values = [next(it) if g.numel() else zero for g in grads]
+        return torch.stack(list(values)).to(acc)
 
     if not present:
         zeros = torch.zeros(len(grads), dtype=out, device=device)

@@ -352,8 +352,7 @@ class MasterWeights:
             return
         if stepped and binding.moved:
             with torch.no_grad():
-                for pair in binding.pairs:
-                    pair.copy_back(skipped)
+                Pair.copy_back_all(binding.pairs, skipped)
         _end(binding)
 
     def end(self, optimizer: torch.optim.Optimizer) -> None:

@@ -92,6 +92,22 @@ class Pair:
             self.low.copy_(torch.where(flag, self.low, self.master))
         self.seen()
 
+    @staticmethod
+    def copy_back_all(pairs: list[Pair], skipped: torch.Tensor | None) -> None:
+        """``copy_back`` for each of ``pairs``; plain tensors that simply take their masters' values in one
+        multi-tensor copy (one launch per device and dtype, not one per parameter). DTensors, which have
+        no multi-tensor copy, and the rest one by one."""
+        plain = [p for p in pairs if (skipped is None or p.exact) and _storage(p.low) is not None]
+        if plain:
+            torch._foreach_copy_([pair.low for pair in plain], [pair.master for pair in plain])  # type: ignore[misc]
+            for pair in plain:
+                pair.exact = True
+                pair.seen()
+        copied = {id(pair) for pair in plain}
+        for pair in pairs:
+            if id(pair) not in copied:
+                pair.copy_back(skipped)
+
     def _kept(self) -> torch.Tensor:
         """Where the parameter is a rounding of its master. Written in place (its storage and dtype as when last
         seen): the master rounded to that dtype. Given a new storage (a change of dtype, ``p.data = t``): the
