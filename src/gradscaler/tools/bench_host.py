@@ -1,0 +1,339 @@
+"""``gradscaler bench --sections host``: what a training step costs the host, ours against torch's scaler.
+
+A small model's step on a GPU is host-bound: each ATen op the scaler dispatches is a kernel launch
+plus its Python. This section counts them on any machine. Each loop shape runs twice in one process,
+torch's scaler (for float16 parameters: the recipe by hand, float32 copies moved and written back
+with multi-tensor copies) and ours, their steps alternated, on the device route the CUDA build takes
+(``GRADSCALER_KERNEL=generic``: the scaler's device-side telemetry and read passes, run on the CPU).
+Per phase of the step (``scale``, ``unscale_``, ``clip``, ``step``, ``update``, ``zero_grad``;
+forward and backward are the model's and not counted) a ``TorchDispatchMode`` counts:
+
+* ``ops``: every ATen op dispatched;
+* ``launches``: those that would launch a kernel on CUDA (views, allocations without a fill, profiler
+  marks and host reads launch none);
+* ``triton``: launches of gradscaler's Triton kernels (on CUDA the read pass is two of them where the
+  generic route dispatches torch's ops: ``triton_launches`` gives that route's count);
+* ``syncs``: host reads of a tensor (``aten._local_scalar_dense``; an optimizer's CPU step counter
+  is one too, for both scalers alike);
+* ``cpu_us``: the thread's CPU time, median over the timed steps (on the CPU it includes the kernels'
+  own work, small at these sizes).
+
+Counts come from one steady step (exact: ``tests/test_bench_host.py`` holds them), times from the
+other steps, uncounted (a dispatch mode's Python would weigh on them); the time ratio (ours / torch)
+is the median of per-step ratios with its quartiles. Every cell is reported.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from gradscaler import GradScaler
+from gradscaler.tools.harness import gpt2_shapes
+
+PHASES = ("scale", "unscale_", "clip", "step", "update", "zero_grad")
+MAX_NORM = 1.0
+NO_LAUNCH = frozenset(
+    {
+        "_local_scalar_dense",  # a host read: counted as a sync
+        "_record_function_enter_new",
+        "_record_function_exit",
+        "alias",
+        "as_strided",
+        "detach",
+        "empty",
+        "empty_like",
+        "empty_strided",
+        "expand",
+        "lift_fresh",
+        "new_empty",
+        "new_empty_strided",
+        "select",
+        "slice",
+        "split",
+        "split_with_sizes",
+        "squeeze",
+        "t",
+        "transpose",
+        "unbind",
+        "unsqueeze",
+        "view",
+        "_unsafe_view",
+    }
+)
+"""ATen ops that launch no kernel on CUDA: views, allocations, profiler marks, host reads."""
+
+
+@dataclass(frozen=True)
+class HostShape:
+    """A loop shape: ``model`` ``"mlp"`` (8 tensors) or ``"gpt"`` (147: GPT-2's layout, 12 layers);
+    ``optimizer`` ``"adamw"`` (foreach), ``"fused"`` AdamW or ``"sgd"`` (foreach, momentum);
+    ``clip`` ``"none"``, ``"unscale"`` (``unscale_`` + torch's clip) or ``"scaler"`` (ours:
+    ``scaler.clip_grad_norm_``; torch's scaler has none, so its run unscales and clips);
+    ``masters``: float16 parameters through float32 masters (torch: the recipe by hand)."""
+
+    model: str = "mlp"
+    optimizer: str = "adamw"
+    clip: str = "none"
+    masters: bool = False
+
+    @property
+    def name(self) -> str:
+        clip = {"none": "", "unscale": " + unscale_ + clip", "scaler": " + scaler clip"}[self.clip]
+        return f"{self.model} {self.optimizer}{clip}{' + masters' if self.masters else ''}"
+
+
+SHAPES = [
+    HostShape(),
+    HostShape(clip="unscale"),
+    HostShape(optimizer="fused", clip="scaler"),
+    HostShape(masters=True),
+    *[HostShape("gpt", opt, clip) for opt in ("adamw", "fused", "sgd") for clip in ("none", "scaler")],
+    *[HostShape("gpt", opt, clip, masters=True) for opt in ("adamw", "fused") for clip in ("none", "scaler")],
+]
+
+
+class Counts(TorchDispatchMode):
+    """ATen ops dispatched inside the block, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@dataclass
+class PhaseCost:
+    """One phase of one step: ops by name, Triton launches, thread CPU time (ns)."""
+
+    ops: Counter[str]
+    triton: int
+    cpu_ns: int
+
+    @property
+    def launches(self) -> int:
+        return sum(n for op, n in self.ops.items() if op not in NO_LAUNCH)
+
+    @property
+    def syncs(self) -> int:
+        return self.ops["_local_scalar_dense"]
+
+
+_TRITON_LAUNCHES = [0]
+
+
+@contextmanager
+def _triton_counted() -> Iterator[None]:
+    """Count launches of gradscaler's Triton kernels (only where they run: on CUDA, or forced)."""
+    from gradscaler.kernels import triton_stats
+
+    launch = triton_stats.launch
+
+    def counted(*args: Any, **kwargs: Any) -> None:
+        _TRITON_LAUNCHES[0] += 1
+        launch(*args, **kwargs)
+
+    triton_stats.launch = counted
+    try:
+        yield
+    finally:
+        triton_stats.launch = launch
+
+
+class Loop:
+    """One shape's model, optimizer and scaler, and its step as a user writes it, phase by phase."""
+
+    def __init__(self, shape: HostShape, ours: bool, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        sizes = [(32, 32), (32,)] * 4 if shape.model == "mlp" else gpt2_shapes(32, 12, 64, 16)
+        dtype = torch.float16 if shape.masters else torch.float32
+        self.params = [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.1).to(dtype)) for s in sizes]
+        self.weights = [torch.randn(s, generator=gen).to(dtype) for s in sizes]  # d(loss)/dp, constant
+        self.shape, self.ours = shape, ours
+        self.copies = [p.detach().float().requires_grad_() for p in self.params] if shape.masters and not ours else []
+        stepped = self.copies or self.params
+        if shape.optimizer == "sgd":
+            self.optimizer: torch.optim.Optimizer = torch.optim.SGD(stepped, lr=1e-3, momentum=0.9, foreach=True)
+        else:
+            fused = shape.optimizer == "fused"
+            self.optimizer = torch.optim.AdamW(stepped, lr=1e-3, fused=fused, foreach=None if fused else True)
+        self.scaler: Any = (
+            GradScaler("cpu", growth_interval=1000, master_weights=shape.masters)
+            if ours
+            else torch.amp.GradScaler("cpu", growth_interval=1000)
+        )
+
+    def loss(self) -> torch.Tensor:
+        return sum((p * w).sum().float() for p, w in zip(self.params, self.weights, strict=True))  # type: ignore[return-value]
+
+    def phases(self) -> Iterator[tuple[str, Callable[[], Any]]]:
+        """The step after the backward, as (phase, call) pairs in the order the loop makes them."""
+        opt, scaler = self.optimizer, self.scaler
+        if self.copies:  # the recipe's move, multi-tensor: in the first phase after the backward
+            first = "clip" if self.shape.clip != "none" else "step"
+            yield first, self._move
+        if self.shape.clip == "scaler" and self.ours:
+            yield "clip", lambda: scaler.clip_grad_norm_(opt, MAX_NORM)
+        elif self.shape.clip != "none":
+            yield "unscale_", lambda: scaler.unscale_(opt)
+            yield "clip", lambda: torch.nn.utils.clip_grad_norm_(self.copies or self.params, MAX_NORM)
+        yield "step", lambda: scaler.step(opt)
+        if self.copies:
+            yield "step", self._copy_back
+        yield "update", scaler.update
+        yield "zero_grad", opt.zero_grad
+
+    def _move(self) -> None:
+        grads: list[torch.Tensor] = []
+        into: list[torch.Tensor] = []
+        for copy, param in zip(self.copies, self.params, strict=True):
+            assert param.grad is not None
+            if copy.grad is None:
+                copy.grad = torch.empty_like(copy)
+            grads.append(param.grad)
+            into.append(copy.grad)
+            param.grad = None
+        torch._foreach_copy_(into, grads)
+
+    def _copy_back(self) -> None:
+        with torch.no_grad():
+            torch._foreach_copy_(list[torch.Tensor](self.params), list[torch.Tensor](self.copies))
+
+    def step(self, count: bool) -> dict[str, PhaseCost]:
+        """One training step; the cost of each phase: its ops when ``count`` (a dispatch mode, whose own
+        Python would weigh on the time), else its time."""
+        costs = {phase: PhaseCost(Counter(), 0, 0) for phase in PHASES}
+        loss = self.loss()
+        self._measure(costs["scale"], lambda: self.scaler.scale(loss), count).backward()
+        for phase, call in self.phases():
+            self._measure(costs[phase], call, count)
+        return costs
+
+    @staticmethod
+    def _measure(cost: PhaseCost, call: Callable[[], Any], count: bool) -> Any:
+        if not count:
+            start = time.thread_time_ns()
+            result = call()
+            cost.cpu_ns += time.thread_time_ns() - start
+            return result
+        counts = Counts()
+        triton_before = _TRITON_LAUNCHES[0]
+        with counts:
+            result = call()
+        cost.ops.update(counts.ops)
+        cost.triton += _TRITON_LAUNCHES[0] - triton_before
+        return result
+
+    def state(self) -> list[torch.Tensor]:
+        """The parameters, for the bit-for-bit check between the two runs."""
+        return [p.detach().clone() for p in self.params]
+
+
+ROUTES = ("generic", "triton")
+
+
+@contextmanager
+def device_route(route: str = "generic") -> Iterator[None]:
+    """The route CUDA takes, taken on the CPU: ``GRADSCALER_KERNEL=generic`` (device-side telemetry, torch's
+    read passes: CUDA without Triton); ``"triton"`` also runs the read passes through gradscaler's Triton
+    kernels (on the CPU under ``TRITON_INTERPRET=1``, so only its counts mean anything)."""
+    from gradscaler import kernels
+
+    before = os.environ.get("GRADSCALER_KERNEL")
+    os.environ["GRADSCALER_KERNEL"] = "generic"
+    real_route = kernels._triton_route
+    if route == "triton":
+        kernels._triton_route = lambda device, choice: "forced"  # type: ignore[assignment]
+    try:
+        with _triton_counted():
+            yield
+    finally:
+        kernels._triton_route = real_route  # type: ignore[assignment]
+        if before is None:
+            del os.environ["GRADSCALER_KERNEL"]
+        else:
+            os.environ["GRADSCALER_KERNEL"] = before
+
+
+def measure(shape: HostShape, steps: int, warmup: int, route: str = "generic") -> dict[str, Any]:
+    """Both runs of ``shape`` on ``route``, steps alternated: ``warmup`` steps, one counted, ``steps``
+    timed. Per phase and in all: the counts, the median CPU time, and the per-step time ratio (median,
+    quartiles). ``same``: the two runs ended bit-identical."""
+    with device_route(route):
+        runs = {"torch": Loop(shape, ours=False), "ours": Loop(shape, ours=True)}
+        counted: dict[str, dict[str, PhaseCost]] = {}
+        timed: dict[str, list[dict[str, PhaseCost]]] = {"torch": [], "ours": []}
+        for i in range(warmup + 1 + steps):
+            for name in ("torch", "ours") if i % 2 else ("ours", "torch"):
+                costs = runs[name].step(count=i == warmup)
+                if i == warmup:
+                    counted[name] = costs
+                elif i > warmup:
+                    timed[name].append(costs)
+    row: dict[str, Any] = {"shape": shape.name, "route": route, "tensors": len(runs["ours"].params)}
+    for name in ("torch", "ours"):
+        cost = counted[name]
+        row[name] = {
+            phase: {
+                "ops": sum(cost[phase].ops.values()),
+                "launches": cost[phase].launches,
+                "triton": cost[phase].triton,
+                "syncs": cost[phase].syncs,
+                "cpu_us": statistics.median(s[phase].cpu_ns for s in timed[name]) / 1e3,
+            }
+            for phase in PHASES
+        }
+        total = {key: sum(row[name][phase][key] for phase in PHASES) for key in ("ops", "launches", "triton", "syncs")}
+        total["cpu_us"] = statistics.median(sum(c.cpu_ns for c in s.values()) for s in timed[name]) / 1e3
+        row[name]["total"] = total
+    ratios = [
+        sum(c.cpu_ns for c in ours.values()) / max(1, sum(c.cpu_ns for c in theirs.values()))
+        for ours, theirs in zip(timed["ours"], timed["torch"], strict=True)
+    ]
+    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    row["time_ratio"] = {"median": statistics.median(ratios), "q1": quartiles[0], "q3": quartiles[2]}
+    row["same"] = all(torch.equal(a, b) for a, b in zip(runs["torch"].state(), runs["ours"].state(), strict=True))
+    return row
+
+
+def host_section(steps: int, warmup: int, shapes: list[HostShape] | None = None) -> list[dict[str, Any]]:
+    """One row per loop shape (see ``measure``)."""
+    return [measure(shape, steps, warmup) for shape in shapes or SHAPES]
+
+
+def format_host(rows: list[dict[str, Any]]) -> list[str]:
+    """Markdown: launches per phase (torch / ours), in all, Triton apart, syncs, CPU time and its ratio."""
+    if not rows:
+        return []
+    head = " | ".join(PHASES)
+    lines = [
+        "",
+        "Host cost per step on the CUDA route, counted on this machine (kernel launches torch / ours per phase;"
+        " CPU time: thread time of the phases, median; ratio ours / torch, median [quartiles] of per-step ratios)",
+        "",
+        f"| shape | tensors | {head} | launches | + Triton | syncs | CPU us torch / ours | ratio | same |",
+        "|---|---|" + "---|" * len(PHASES) + "---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        t, o = row["torch"], row["ours"]
+        cells = " | ".join(f"{t[p]['launches']} / {o[p]['launches']}" for p in PHASES)
+        ratio = row["time_ratio"]
+        lines.append(
+            f"| {row['shape']} | {row['tensors']} | {cells} | {t['total']['launches']} / {o['total']['launches']} | "
+            f"{t['total']['triton']} / {o['total']['triton']} | {t['total']['syncs']} / {o['total']['syncs']} | "
+            f"{t['total']['cpu_us']:.0f} / {o['total']['cpu_us']:.0f} | "
+            f"{ratio['median']:.2f} [{ratio['q1']:.2f}-{ratio['q3']:.2f}] | {'yes' if row['same'] else 'NO'} |"
+        )
+    return lines
