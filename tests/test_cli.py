@@ -21,6 +21,17 @@ def test_help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert "usage: gradscaler" in capsys.readouterr().out
 
 
+def imported_by(argv: list[str]) -> tuple[subprocess.CompletedProcess[str], set[str]]:
+    """``gradscaler ARGV`` run in a process of its own, and the modules it imported."""
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "gradscaler", *argv], capture_output=True, text=True, check=False
+    )
+    imported = {
+        line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")
+    }
+    return result, imported
+
+
 @pytest.mark.parametrize(
     "argv",
     [
@@ -36,15 +47,44 @@ def test_help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
 )
 def test_help_and_argument_errors_do_not_import_torch(argv: list[str]) -> None:
     """Importing torch takes 1.5 s on a quiet machine and ten on a busy one: help must not wait for it."""
-    result = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "gradscaler", *argv], capture_output=True, text=True, check=False
-    )
+    result, imported = imported_by(argv)
     assert result.returncode in (0, 2), result.stderr
-    imported = {
-        line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")
-    }
     assert "gradscaler.tools.cli" in imported  # the report is read: the command line was imported
     assert "torch" not in imported
+
+
+GARBAGE = {
+    "not-json": (b"epoch,loss\n1,0.5\n", "line 1 is not JSON"),
+    "binary": (b"\x89PNG\r\n\x1a\n", "is not UTF-8 text"),
+}
+"""Files that are no log, and what the report says of each."""
+
+
+@pytest.mark.parametrize("kind", ["log", "log-with-figure", *GARBAGE])
+def test_report_reads_a_log_without_importing_torch(kind: str, tmp_path: Path) -> None:
+    """A log read, or a file that is none refused, without torch: a garbled file is told at once."""
+    from synthetic_log import lines, records
+
+    log = tmp_path / "scaler.jsonl"
+    argv = ["report", str(log)]
+    if kind in GARBAGE:
+        log.write_bytes(GARBAGE[kind][0])
+    else:
+        log.write_text("".join(lines(records(300, overflow={5, 6, 200}))))
+    if kind == "log-with-figure":
+        pytest.importorskip("matplotlib")
+        argv += ["--out", str(tmp_path / "report.png")]
+    result, imported = imported_by(argv)
+    out = result.stdout + result.stderr
+    assert "gradscaler.record.scalerlog" in imported  # the log was read
+    assert "torch" not in imported
+    if kind in GARBAGE:
+        assert result.returncode == 1
+        assert GARBAGE[kind][1] in result.stderr
+    else:
+        assert result.returncode == 0, out
+        assert "skipped" in result.stdout
+        assert (tmp_path / "report.png").is_file() == (kind == "log-with-figure")
 
 
 @pytest.mark.parametrize("command", ["demo", "bench", "report"])

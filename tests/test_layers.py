@@ -56,10 +56,10 @@ INSIDE: dict[str, dict[str, int]] = {
         "__init__": 5,
     },
     "record": {
-        "telemetry": 0,
         "logfile": 0,
+        "telemetry": 1,
         "logsummary": 1,
-        "monitor": 1,
+        "monitor": 2,
         "scalerlog": 2,
         "diagnosis": 2,
         "reporting": 3,
@@ -289,7 +289,7 @@ def package_with(tmp_path: Path, module: str, line: str) -> Path:
         (
             "record/telemetry.py",
             "from gradscaler.record import monitor",
-            "record.telemetry (layer 0 in record) imports record.monitor",
+            "record.telemetry (layer 1 in record) imports record.monitor",
         ),
         ("record/logsummary.py", "def f():\n    import gradscaler.record.telemetry", "function-level import"),
     ],

@@ -183,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def report_command(log: str, out: str | None, rank: int | None = None, run: str | None = None) -> int:
     """``gradscaler report``: the text on stdout; a problem is one line on stderr naming the file at fault
     (the log, or the figure's file or folder) and exit status 1."""
-    # What can be told without torch (whose import alone takes seconds) is told first.
+    # Reading a log needs no torch (whose import alone takes seconds): record/ and rule.ScaleRule do without it.
     from gradscaler.record.logfile import PLOT_HINT, figure_path, first_problem
 
     figure = None if out is None else figure_path(out)
@@ -200,12 +200,11 @@ def report_command(log: str, out: str | None, rank: int | None = None, run: str 
     if problem is not None:
         print(f"gradscaler report: {log}: {problem}", file=sys.stderr)
         return 1
-    import gradscaler
-    from gradscaler.record.reporting import draw
+    from gradscaler.record.reporting import draw, report
     from gradscaler.record.scalerlog import LogError
 
     try:
-        result = gradscaler.report(log, None, progress=True, rank=rank, run=run)
+        result = report(log, None, progress=True, rank=rank, run=run)
     except LogError as error:
         print(f"gradscaler report: {log}: {error}", file=sys.stderr)
         return 1
