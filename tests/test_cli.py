@@ -168,6 +168,29 @@ def test_short_bench_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert numbers["kernel"]["max_rel_error_vs_float64"] < 1e-4
 
 
+def test_bench_help_describes_every_section(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    described = capsys.readouterr().out.split("options:", 1)[0]
+    assert all(f"\n  {section}: " in described for section in cli.SECTIONS)
+    assert "accumulation: what accumulate_grads_in_fp32=True" in described
+
+
+def test_the_bench_header_names_a_median_only_when_something_was_timed() -> None:
+    """The memory section counts bytes: alone, its header says nothing of medians or warm-up."""
+    from gradscaler.tools import bench
+
+    environment = {"device": "cpu", "cores": 2, "threads": 1, "torch": "2.x", "dtype": "float32", "seed": 0}
+    row = {"setup": "float32", "optimizer": "AdamW", "params": 1e6, "param_bytes": 4.0, "grad_bytes_in_step": 4.0}
+    row |= {"grad_bytes_after_step": 4.0, "master_bytes": 0.0, "state_bytes": 8.0}
+    row |= {"total_in_step": 16.0, "total_after_step": 16.0}
+    results = {"environment": environment, "steps": 30, "warmup": 5, "memory": [row]}
+    memory_only = bench.format_tables(results).splitlines()[0]
+    assert "median" not in memory_only and "warm-up" not in memory_only and "seed 0" in memory_only
+    timed = bench.format_tables({**results, "matrix": {}}).splitlines()[0]  # matrix: tables of its own
+    assert timed.endswith("median of 30 after 5 warm-up")
+
+
 def test_quick_matrix_reports_every_cell(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "m.json"
     argv = ["bench", "--device", "cpu", "--sections", "matrix", "--quick", "--steps", "1", "--warmup", "1"]

@@ -14,8 +14,26 @@ from gradscaler.tools.shell import command, quoted
 
 # No torch at module top, here or in ``shell``: ``--help`` and argument errors answer without it.
 
-SECTIONS = ("kernel", "step", "iteration", "matrix", "masters", "compile", "memory", "accumulation")
 DEFAULT_SECTIONS = ("kernel", "step", "iteration")
+BENCH_SECTIONS = {
+    "kernel": "one read pass over GPT-2-medium-shaped gradients (overflow flag and norms) against "
+    "torch._foreach_norm and a plain copy (the bandwidth ceiling)",
+    "step": "the optimizer step phase (fused / foreach AdamW, with and without clipping): the optimizer "
+    "alone, with torch's scaler, with gradscaler",
+    "iteration": "whole training iterations of a GPT-2-small-shaped model under float16 autocast, torch's "
+    "scaler against gradscaler",
+    "matrix": "shapes x optimizers x clipping with host time, and whole iterations at batch 1",
+    "masters": "float16 parameters with master_weights=True against the same recipe written by hand",
+    "compile": "whole steps eager, with the model compiled and with the step compiled, torch's scaler "
+    "against gradscaler",
+    "memory": "bytes per parameter of float32 / float16 + masters / float16 parameters after a training "
+    "step, measured from the storages (nothing timed)",
+    "accumulation": "what accumulate_grads_in_fp32=True (micro-batch gradients summed in float32) costs "
+    "and gains: the sum's error against float64, a bfloat16 training run against float32, bytes per "
+    "parameter, time per micro-batch, and the same under DDP (2 gloo processes) and FSDP2",
+}
+"""What each section of ``gradscaler bench`` measures, in the order the help lists them."""
+SECTIONS = tuple(BENCH_SECTIONS)
 
 
 def _positive_int(text: str) -> int:
@@ -100,7 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench",
         help="time torch.amp.GradScaler and gradscaler side by side",
-        description=_wrapped("Side-by-side benchmark in one process; checks results while timing."),
+        description=_wrapped("Side-by-side benchmark in one process; checks results while timing. The sections:")
+        + "\n"
+        + "\n".join(
+            textwrap.fill(f"{name}: {what}", 88, initial_indent="  ", subsequent_indent="    ")
+            for name, what in BENCH_SECTIONS.items()
+        ),
         epilog=_example("bench --sections kernel,step --out bench.json"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -112,10 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_sections,
         default=list(DEFAULT_SECTIONS),
         help=f"comma-separated subset of {','.join(SECTIONS)} (default: {','.join(DEFAULT_SECTIONS)}; "
-        "matrix: shapes x optimizers x clip with host time, and whole iterations at batch 1; masters: float16 "
-        "parameters with master_weights=True against the recipe by hand; compile: whole steps eager, with "
-        "the model compiled and with the step compiled, torch's scaler against ours; memory: bytes per parameter of "
-        "float32 / float16 + masters / float16 parameters after a training step, measured from the storages)",
+        "each is described above)",
     )
     bench.add_argument(
         "--quick", action="store_true", help="run the matrix at toy sizes (seconds; for tests and smoke runs)"

@@ -391,7 +391,7 @@ def _demo(args: Any) -> int:
         f"gradscaler demo: a character-level transformer on generated sentences, {setup.steps} steps per run, "
         f"on {device.type}.\nEach step back-propagates one rank's share of a per-token loss over a "
         f"{setup.ranks}-rank job (loss / {setup.ranks}), which is what makes its gradients small; see "
-        "`python -c 'import gradscaler.tools.demo as d; help(d)'`.\n"
+        f"`{shell.python()} -c 'import gradscaler.tools.demo as d; help(d)'`.\n"
     )
     batches = Batches(corpus(args.seed), batch=setup.batch, context=setup.context, seed=args.seed, device=device)
     log = out / "gradscaler-demo-scaler.jsonl"
