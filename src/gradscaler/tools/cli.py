@@ -88,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
             "with float32 master weights (master_weights=True) and without; print a summary table "
             "and write, in the --out folder: gradscaler-demo.png (the figure), gradscaler-demo.json (the "
             "numbers) and gradscaler-demo-scaler.jsonl (the log of the fp16 + gradscaler run, every step; "
-            "`report` reads it). About a minute on one CPU core without AVX-512."
+            "`report` reads it). 1-5 minutes on a 2-core CPU machine (under a minute when nothing else runs, "
+            "longer when other work shares it); progress bars show the time left."
         ),
         epilog=_example("demo --out demo-run --seed 1"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
