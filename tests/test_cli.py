@@ -21,6 +21,17 @@ def test_help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert "usage: gradscaler" in capsys.readouterr().out
 
 
+def imported_by(argv: list[str]) -> tuple[subprocess.CompletedProcess[str], set[str]]:
+    """``gradscaler ARGV`` run in a process of its own, and the modules it imported."""
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "gradscaler", *argv], capture_output=True, text=True, check=False
+    )
+    imported = {
+        line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")
+    }
+    return result, imported
+
+
 @pytest.mark.parametrize(
     "argv",
     [
@@ -36,15 +47,44 @@ def test_help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
 )
 def test_help_and_argument_errors_do_not_import_torch(argv: list[str]) -> None:
     """Importing torch takes 1.5 s on a quiet machine and ten on a busy one: help must not wait for it."""
-    result = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "gradscaler", *argv], capture_output=True, text=True, check=False
-    )
+    result, imported = imported_by(argv)
     assert result.returncode in (0, 2), result.stderr
-    imported = {
-        line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")
-    }
     assert "gradscaler.tools.cli" in imported  # the report is read: the command line was imported
     assert "torch" not in imported
+
+
+GARBAGE = {
+    "not-json": (b"epoch,loss\n1,0.5\n", "line 1 is not JSON"),
+    "binary": (b"\x89PNG\r\n\x1a\n", "is not UTF-8 text"),
+}
+"""Files that are no log, and what the report says of each."""
+
+
+@pytest.mark.parametrize("kind", ["log", "log-with-figure", *GARBAGE])
+def test_report_reads_a_log_without_importing_torch(kind: str, tmp_path: Path) -> None:
+    """A log read, or a file that is none refused, without torch: a garbled file is told at once."""
+    from synthetic_log import lines, records
+
+    log = tmp_path / "scaler.jsonl"
+    argv = ["report", str(log)]
+    if kind in GARBAGE:
+        log.write_bytes(GARBAGE[kind][0])
+    else:
+        log.write_text("".join(lines(records(300, overflow={5, 6, 200}))))
+    if kind == "log-with-figure":
+        pytest.importorskip("matplotlib")
+        argv += ["--out", str(tmp_path / "report.png")]
+    result, imported = imported_by(argv)
+    out = result.stdout + result.stderr
+    assert "gradscaler.record.scalerlog" in imported  # the log was read
+    assert "torch" not in imported
+    if kind in GARBAGE:
+        assert result.returncode == 1
+        assert GARBAGE[kind][1] in result.stderr
+    else:
+        assert result.returncode == 0, out
+        assert "skipped" in result.stdout
+        assert (tmp_path / "report.png").is_file() == (kind == "log-with-figure")
 
 
 @pytest.mark.parametrize("command", ["demo", "bench", "report"])
@@ -126,6 +166,29 @@ def test_short_bench_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert numbers["kernel"]["ours_check_only_fraction_of_copy_bandwidth"] > 0
     # float32 sums over up to 25M values (CPU: BLAS dot) against float64: a few 1e-5 at most.
     assert numbers["kernel"]["max_rel_error_vs_float64"] < 1e-4
+
+
+def test_bench_help_describes_every_section(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    described = capsys.readouterr().out.split("options:", 1)[0]
+    assert all(f"\n  {section}: " in described for section in cli.SECTIONS)
+    assert "accumulation: what accumulate_grads_in_fp32=True" in described
+
+
+def test_the_bench_header_names_a_median_only_when_something_was_timed() -> None:
+    """The memory section counts bytes: alone, its header says nothing of medians or warm-up."""
+    from gradscaler.tools import bench
+
+    environment = {"device": "cpu", "cores": 2, "threads": 1, "torch": "2.x", "dtype": "float32", "seed": 0}
+    row = {"setup": "float32", "optimizer": "AdamW", "params": 1e6, "param_bytes": 4.0, "grad_bytes_in_step": 4.0}
+    row |= {"grad_bytes_after_step": 4.0, "master_bytes": 0.0, "state_bytes": 8.0}
+    row |= {"total_in_step": 16.0, "total_after_step": 16.0}
+    results = {"environment": environment, "steps": 30, "warmup": 5, "memory": [row]}
+    memory_only = bench.format_tables(results).splitlines()[0]
+    assert "median" not in memory_only and "warm-up" not in memory_only and "seed 0" in memory_only
+    timed = bench.format_tables({**results, "matrix": {}}).splitlines()[0]  # matrix: tables of its own
+    assert timed.endswith("median of 30 after 5 warm-up")
 
 
 def test_quick_matrix_reports_every_cell(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -90,6 +90,35 @@ def test_another_gradscaler_first_on_path_is_not_taken_for_this_one(
     assert shell.command(cwd=tmp_path / "clone", path=path) == ".venv/bin/gradscaler"
 
 
+@pytest.mark.parametrize(
+    ("on_path", "cwd", "expected"),
+    [
+        ("python3", "clone", "python3"),
+        ("python", "clone", "python"),
+        (None, "clone", ".venv/bin/python"),
+        (None, "elsewhere", "{root}/clone/.venv/bin/python"),
+    ],
+    ids=["activated", "activated-python-only", "make-demo-in-the-clone", "another-folder"],
+)
+def test_the_interpreter_the_tools_print_is_the_one_this_shell_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, on_path: str | None, cwd: str, expected: str
+) -> None:
+    """A fresh shell has ``python3`` (often no ``python``) and not the venv's: a hint names what runs."""
+    clone = tmp_path / "clone"
+    python = fake_interpreter(clone / ".venv" / "bin", with_script=True)
+    system = tmp_path / "usr" / "bin"
+    system.mkdir(parents=True)
+    for folder, name in [(system, "python3"), (python.parent, on_path)]:  # the system's comes last on PATH
+        if name is not None:
+            (folder / name).write_text("#!/bin/sh\n")
+            (folder / name).chmod(0o755)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.setattr(sys, "executable", str(python))
+    path = os.pathsep.join(([str(python.parent)] if on_path else []) + [str(system)])
+    here = {"clone": clone, "elsewhere": tmp_path / "elsewhere"}[cwd]
+    assert shell.python(cwd=here, path=path) == expected.format(root=tmp_path)
+
+
 @pytest.mark.integration
 def test_the_demo_closing_hint_runs_when_pasted(tmp_path: Path) -> None:
     """A short demo in a shell whose PATH lacks this interpreter's folder (``make demo`` in a fresh clone);

@@ -56,10 +56,10 @@ INSIDE: dict[str, dict[str, int]] = {
         "__init__": 5,
     },
     "record": {
-        "telemetry": 0,
         "logfile": 0,
+        "telemetry": 1,
         "logsummary": 1,
-        "monitor": 1,
+        "monitor": 2,
         "scalerlog": 2,
         "diagnosis": 2,
         "reporting": 3,
@@ -289,7 +289,7 @@ def package_with(tmp_path: Path, module: str, line: str) -> Path:
         (
             "record/telemetry.py",
             "from gradscaler.record import monitor",
-            "record.telemetry (layer 0 in record) imports record.monitor",
+            "record.telemetry (layer 1 in record) imports record.monitor",
         ),
         ("record/logsummary.py", "def f():\n    import gradscaler.record.telemetry", "function-level import"),
     ],
@@ -347,6 +347,48 @@ def test_every_module_imports_first() -> None:
         "        importlib.import_module(name)\n"
         "    except Exception as error:\n"
         "        failed.append(f'{name}: {type(error).__name__}: {error}')\n"
+        "print('\\n'.join(failed))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "", result.stdout
+
+
+SPELLING = re.compile(r"(?<![\w/.-])gradscaler(?:\.[A-Za-z_]\w*)+")
+"""A dotted name under the package as the docs write it (``.../gradscaler.git`` in a URL is not one)."""
+
+
+def documented_spellings() -> list[str]:
+    """Every ``gradscaler.X`` and ``gradscaler.sub.Y`` that README.md and docs/*.md show a reader."""
+    root = SRC.parent.parent
+    texts = [(root / "README.md").read_text()] + [path.read_text() for path in sorted((root / "docs").glob("*.md"))]
+    return sorted({match for text in texts for match in SPELLING.findall(text)})
+
+
+def test_every_documented_spelling_works_whichever_is_used_first() -> None:
+    """The lazy face loads on the first public name touched; each spelling the docs show must work
+    before and after that, in any order (``gradscaler.frameworks.log_scale`` once failed after
+    ``gradscaler.patch_torch``). Each order runs in a package imported afresh (torch stays loaded)."""
+    import subprocess
+    import sys
+
+    spellings = documented_spellings()
+    assert {"gradscaler.patch_torch", "gradscaler.frameworks.log_scale", "gradscaler.tools.demo"} <= set(spellings)
+    orders = [[first] + [s for s in spellings if s != first] for first in spellings]
+    orders += [list(reversed(order)) for order in orders]
+    script = (
+        "import functools, importlib, sys\n"
+        "failed = []\n"
+        f"for order in {orders!r}:\n"
+        "    for loaded in [m for m in sys.modules if m == 'gradscaler' or m.startswith('gradscaler.')]:\n"
+        "        del sys.modules[loaded]\n"
+        "    package = importlib.import_module('gradscaler')\n"
+        "    for spelling in order:\n"
+        "        try:\n"
+        "            functools.reduce(getattr, spelling.split('.')[1:], package)\n"
+        "        except AttributeError as error:\n"
+        "            failed.append(f'{spelling} after {order[: order.index(spelling)]}: {error}')\n"
+        "            break\n"
         "print('\\n'.join(failed))\n"
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False)

@@ -342,6 +342,37 @@ def test_register_ddp_without_accumulation_or_with_a_plain_module_is_refused() -
     assert not scaler._masters._sums.ddp  # nothing registered
 
 
+FIXES = ("Build", "Call", "Enable", "Keep", "Leave", "Pass", "Register", "Save", "Take", "Turn", "Write")
+"""The verbs a refusal opens with: its first sentence says what to do, the rest why."""
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "accumulate.WITHOUT_MASTERS_MESSAGE",
+        "accumulate.SPARSE_MESSAGE",
+        "accumulate.CREATE_GRAPH_MESSAGE",
+        "accumulate.WRITTEN_MESSAGE",
+        "accumulate.DDP_MESSAGE",
+        "accumulate.FSDP2_MESSAGE",
+        "accumulate.SWAPPED_MESSAGE",
+        "accumulate.LATER_HOOK_MESSAGE",
+        "ddp.NOT_DDP_MESSAGE",
+        "ddp.NOT_ACCUMULATING_MESSAGE",
+        "checkpoint.DCP_MESSAGE",
+        "checks.WRITTEN_LOW_GRADS_MESSAGE",
+        "checks.INNER_OPTIMIZER_MESSAGE",
+        "checks.DISABLED_MESSAGE",
+    ],
+)
+def test_each_refusal_leads_with_what_to_do(message: str) -> None:
+    import importlib
+
+    module, name = message.split(".")
+    text = getattr(importlib.import_module(f"gradscaler.masters.{module}"), name)
+    assert text.split(" ", 1)[0] in FIXES, text
+
+
 def trained_once(micro: int = 2) -> Ours:
     ours = Ours(Net(), OPTIMIZERS["adamw_foreach"], fp32_scaler(init_scale=2.0**8))
     run(ours, range(2), micro, new_trace())
@@ -387,7 +418,7 @@ def test_sparse_gradients_are_refused_in_the_backward_adding_nothing() -> None:
     embedding = nn.Embedding(10, 4, sparse=True).half()
     scaler = fp32_scaler()
     tokens = torch.tensor([1, 2, 3])
-    with pytest.raises(ValueError, match=r"shape \(10, 4\).*is sparse.*sparse=False"):
+    with pytest.raises(ValueError, match=r"sparse=False.*shape \(10, 4\).*is sparse"):
         scaler.scale(embedding(tokens).float().sum()).backward()
     grad = embedding.weight.grad  # autograd's sparse gradient, left where it wrote it; no sum started
     assert grad is not None and grad.is_sparse
@@ -660,7 +691,7 @@ def test_a_swap_with_the_future_on_around_the_conversion_only_is_refused_at_the_
     for micro in range(2):
         ours.backward(micro_loss(ours, 2, micro, 2))
     before = [p.detach().clone() for p in ours.model.parameters()]
-    with pytest.raises(ValueError, match=r"was swapped .*set_swap_module_params_on_conversion\(True\) before training"):
+    with pytest.raises(ValueError, match=r"set_swap_module_params_on_conversion\(True\) before training.*was swapped"):
         ours.step()
     assert all(torch.equal(a, b) for a, b in zip(before, ours.model.parameters(), strict=True))
     run(ours, range(3, 5), 2, new_trace())  # hooked again: the next iterations sum in float32

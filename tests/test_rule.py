@@ -112,6 +112,12 @@ from hypothesis import strategies as st  # noqa: E402
 from gradscaler import GradScaler  # noqa: E402
 from gradscaler.rule import FLOAT32_MAX, INT32_MAX  # noqa: E402
 
+
+def test_float32_max_is_torchs() -> None:
+    """``FLOAT32_MAX`` is spelled from its bits (rule.py imports no torch at module top)."""
+    assert float(torch.finfo(torch.float32).max) == FLOAT32_MAX
+
+
 finite_above_one = st.floats(min_value=1.0, max_value=1e30, exclude_min=True, allow_nan=False)
 in_unit = st.floats(min_value=0.0, max_value=1.0, exclude_min=True, exclude_max=True)
 scale_like = st.floats(min_value=1e-44, max_value=1e300, allow_nan=False)

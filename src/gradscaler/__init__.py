@@ -5,7 +5,8 @@ Only the names in ``__all__`` are API; module paths below this package may chang
 The public names load on first use (``__getattr__``): ``import gradscaler`` alone does not import
 torch, so that ``gradscaler --help`` and the command line's argument errors answer at once. The
 first public name you touch loads all of them, and from then on the package is what an eager
-import would have made it (its submodules included).
+import would have made it; a submodule (``gradscaler.frameworks``, ``gradscaler.masters``) imports
+on first use too, whichever name came first.
 """
 
 from __future__ import annotations
@@ -50,19 +51,21 @@ __all__ = [
 
 
 def __getattr__(name: str) -> object:
-    """Load every public name (and with them torch) the first time any attribute is missing."""
+    """A submodule (``gradscaler.frameworks``) imports alone, before or after the face has loaded;
+    any other missing name loads every public name (and with them torch), once."""
     import importlib
     import importlib.util
 
     namespace = globals()
-    if name.startswith("__") or namespace.get("_loaded"):
+    if name.startswith("__"):
         raise AttributeError(f"module 'gradscaler' has no attribute {name!r}")
-    if name not in _FACE and importlib.util.find_spec(f"gradscaler.{name}") is not None:
-        # ``from gradscaler import grads`` inside a module the face is still loading: that module only
+    if name not in _FACE and name.isidentifier() and importlib.util.find_spec(f"gradscaler.{name}") is not None:
+        # also ``from gradscaler import grads`` inside a module the face is still loading: that module only
         return importlib.import_module(f"gradscaler.{name}")
-    for public, module in _FACE.items():
-        namespace[public] = getattr(importlib.import_module(module), public)
-    namespace["_loaded"] = True
+    if not namespace.get("_loaded"):
+        for public, module in _FACE.items():
+            namespace[public] = getattr(importlib.import_module(module), public)
+        namespace["_loaded"] = True
     if name in namespace:
         return namespace[name]
     raise AttributeError(f"module 'gradscaler' has no attribute {name!r}")

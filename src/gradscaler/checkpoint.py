@@ -82,7 +82,7 @@ def parse_state_dict(state_dict: Any, current: ScaleRule) -> ScalerState:
         raise ValueError(f"Unknown keys in the scaler's state_dict: {unknown}. Known: {list(known)}.")
     missing = [key for key in TORCH_KEYS if key not in state_dict]
     if missing:
-        raise ValueError(f"The scaler's state_dict lacks {missing}: is it a GradScaler state_dict?")
+        raise ValueError(f"Pass a GradScaler's state_dict: the scaler's state_dict lacks {missing}.")
     policy = _parse_rule(state_dict, current)
     scale = rule.positive_finite("state_dict['scale']", state_dict["scale"])
     if scale > rule.FLOAT32_MAX:

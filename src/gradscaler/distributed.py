@@ -121,11 +121,10 @@ def _shard_groups(index: int, mesh: Any, placements: Any) -> list[Any]:
             continue
         if placement.is_partial():
             raise ValueError(
-                f"Parameter #{index} of this optimizer is a DTensor with a Partial placement "
+                "Give the parameter Shard or Replicate placements (DTensor.redistribute) before building "
+                f"the optimizer. Parameter #{index} of this optimizer is a DTensor with a Partial placement "
                 f"({', '.join(map(repr, placements))} on {mesh!r}): its local values are addends of the "
-                "gradient, not a part of it, so no rank can check them for overflow or take their norm. "
-                "Give the parameter Shard or Replicate placements (DTensor.redistribute) before "
-                "building the optimizer."
+                "gradient, not a part of it, so no rank can check them for overflow or take their norm."
             )
         # Shard, and _StridedShard (FSDP2 over a tensor-parallel shard), whose is_shard() is False.
         out.append(mesh.get_group(dim) if mesh.ndim > 1 else mesh.get_group())

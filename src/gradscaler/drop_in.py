@@ -214,9 +214,9 @@ def patch_torch(*, master_weights: bool = False, accumulate_grads_in_fp32: bool 
             patched = ("torch.nn.utils", "clip_grad_norm_") in _originals
             if (patched, _accumulating) != (master_weights, accumulate_grads_in_fp32):
                 raise ValueError(
-                    f"patch_torch(master_weights={master_weights}, accumulate_grads_in_fp32="
-                    f"{accumulate_grads_in_fp32}): torch is already patched with master_weights={patched}, "
-                    f"accumulate_grads_in_fp32={_accumulating}. Call gradscaler.unpatch_torch() first."
+                    "Call gradscaler.unpatch_torch() first. patch_torch(master_weights="
+                    f"{master_weights}, accumulate_grads_in_fp32={accumulate_grads_in_fp32}): torch is already "
+                    f"patched with master_weights={patched}, accumulate_grads_in_fp32={_accumulating}."
                 )
             return TorchPatch(None)
         for name in _SUBCLASSING_MODULES:

@@ -50,10 +50,10 @@ _SHARDED = (
 def _scaler_of(optimizer: Any, helper: str = "report_skipped_steps", fix: str = _ACCELERATE_FIX) -> GradScaler:
     scaler = getattr(optimizer, "scaler", None)
     if not isinstance(scaler, GradScaler):
-        why = f"{_SHARDED}. " if type(scaler).__name__ == "ShardedGradScaler" else ""
+        why = f" {_SHARDED}." if type(scaler).__name__ == "ShardedGradScaler" else ""
         raise TypeError(
-            f"{helper} needs an accelerate AcceleratedOptimizer prepared with gradscaler's GradScaler; its scaler "
-            f"is {scaler!r}. {why}To use gradscaler's: {fix}."
+            f"To use gradscaler's scaler, {fix}. {helper} needs an accelerate AcceleratedOptimizer prepared "
+            f"with gradscaler's GradScaler; its scaler is {scaler!r}.{why}"
         )
     return scaler
 
@@ -103,8 +103,8 @@ def report_skipped_steps(target: Any) -> Any:
     optimizers = target._optimizers if accelerator else [target]
     if accelerator and not optimizers:  # it patches prepared optimizers: before prepare() there are none
         raise ValueError(
-            "report_skipped_steps(accelerator) found no prepared optimizer: call it after "
-            "`accelerator.prepare(...)` (again after preparing more optimizers)."
+            "Call report_skipped_steps(accelerator) after `accelerator.prepare(...)` (again after preparing "
+            "more optimizers): it found no prepared optimizer."
         )
     for optimizer in optimizers:
         _scaler_of(optimizer)

@@ -9,6 +9,9 @@ inf and every unscaled gradient is inf or NaN. With ``hysteresis=1``, no ``min_s
 ``max_scale`` and S above the floor, the rule is bit-identical to torch's kernel. Nothing here reads
 a tensor back to the host.
 
+The module imports torch only inside the functions that need tensors: ``ScaleRule`` checks a policy
+without it, so that ``gradscaler report`` reads a log without torch (whose import alone takes seconds).
+
 Every value the scaler's policy can hold is checked here, and only here: the constructor, the
 setters and ``load_state_dict`` all build a ``ScaleRule``, so whatever one of them accepts the others
 accept too, and a scaler's own ``state_dict()`` always loads.
@@ -21,14 +24,16 @@ import math
 import numbers
 import struct
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 SCALE_FLOOR = 2.0**-126
 """Smallest scale the rule ever produces: the smallest normal float32, whose reciprocal is finite."""
 
-FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+FLOAT32_MAX: float = struct.unpack("<f", struct.pack("<I", 0x7F7F_FFFF))[0]
+"""float32's largest finite value (``torch.finfo(torch.float32).max``; tests/test_rule.py holds them equal)."""
 INT32_MAX = 2**31 - 1
 """Trackers and the intervals they count to live in int32 device tensors."""
 INT64_MAX = 2**63 - 1
@@ -188,6 +193,8 @@ def _float32_toward(value: float, direction: int) -> float:
 def inverse_scale(scale: torch.Tensor, on_host: bool) -> torch.Tensor:
     """``1/S`` as torch computes it (a float64 reciprocal rounded to float32), on the scale's device;
     ``on_host``: the scale reads for free, so the same two roundings are done in Python (one op, not three)."""
+    import torch
+
     if on_host:
         return torch.scalar_tensor(1.0 / scale.item(), dtype=torch.float32, device=scale.device)
     return scale.double().reciprocal().float()
@@ -209,6 +216,8 @@ def set_scale_(
     tensor when reading it would cost a host sync (``on_host`` False: the scale on a GPU), which leaves
     the scale as it was.
     """
+    import torch
+
     if isinstance(new_scale, torch.Tensor):
         wrong_device = new_scale.device.type != (device_type or scale.device.type)
         if wrong_device or new_scale.numel() != 1 or new_scale.requires_grad:
@@ -254,6 +263,8 @@ def update_scale_(
     greatest the scale can be now, when the caller knows (its telemetry); the clamp is then skipped
     when neither factor can take any scale of the span out of bounds.
     """
+    import torch
+
     if rule.matches_torch_kernel:
         # One launch for the common case; the floor/ceiling clamp is the only addition.
         torch._amp_update_scale_(
@@ -274,6 +285,8 @@ def update_scale_reference_(
     rule: ScaleRule,
 ) -> None:
     """The rule written out with ``torch.where``: any hysteresis, same results as the kernel at 1."""
+    import torch
+
     found = found_inf != 0
     hysteresis_after = torch.where(found, hysteresis_tracker - 1, hysteresis_tracker)
     backoff = found & (hysteresis_after <= 0)

@@ -51,66 +51,70 @@ from gradscaler.masters.wrappers import bound_clipping, route
 ARGUMENT = "accumulate_grads_in_fp32"
 
 WITHOUT_MASTERS_MESSAGE = (
+    "Pass master_weights=True too (float16/bfloat16 parameters), or leave accumulate_grads_in_fp32 out (a "
+    "float32 model under torch.autocast accumulates its gradients in float32 already). "
     "GradScaler(accumulate_grads_in_fp32=True) needs master_weights=True: the float32 sums are the "
-    "gradients of the float32 masters. Pass master_weights=True too (float16/bfloat16 parameters), or "
-    "leave accumulate_grads_in_fp32 out (a float32 model under torch.autocast accumulates its gradients "
-    "in float32 already)."
+    "gradients of the float32 masters."
 )
 
 SPARSE_MESSAGE = (
-    "accumulate_grads_in_fp32=True: the gradient of a parameter of shape {shape} ({dtype}) is sparse "
-    "({layout}); its micro-batches cannot be summed into a dense float32 gradient. Build the layer with "
-    "sparse=False (nn.Embedding(..., sparse=False)), keep it in float32, or leave "
-    "accumulate_grads_in_fp32 out. Nothing was added for this backward."
+    "Build the layer with sparse=False (nn.Embedding(..., sparse=False)), keep it in float32, or leave "
+    "accumulate_grads_in_fp32 out. With accumulate_grads_in_fp32=True the gradient of a parameter of "
+    "shape {shape} ({dtype}) is sparse ({layout}): its micro-batches cannot be summed into a dense "
+    "float32 gradient. Nothing was added for this backward."
 )
 
 CREATE_GRAPH_MESSAGE = (
-    "accumulate_grads_in_fp32=True: the gradient of a parameter of shape {shape} ({dtype}) requires grad "
-    "(a backward with create_graph=True, for a double backward such as a gradient penalty). The float32 "
-    "sum would cut it from its graph. Take the penalty's gradient with torch.autograd.grad(..., "
-    "create_graph=True) and call backward() without create_graph, or leave accumulate_grads_in_fp32 out. "
+    "Take the penalty's gradient with torch.autograd.grad(..., create_graph=True) and call backward() "
+    "without create_graph, or leave accumulate_grads_in_fp32 out. With accumulate_grads_in_fp32=True the "
+    "gradient of a parameter of shape {shape} ({dtype}) requires grad (a backward with create_graph=True, "
+    "for a double backward such as a gradient penalty), and the float32 sum would cut it from its graph. "
     "Nothing was added for this backward."
 )
 
 WRITTEN_MESSAGE = (
-    "accumulate_grads_in_fp32=True: {name} holds a .grad that autograd's accumulation did not leave "
-    "there: with this argument each backward's gradient goes into the float32 sum (the master's .grad) "
-    "and p.grad is set to None. A gradient written into p.grad by hand, or after "
-    "scaler.unscale_(optimizer), would be lost: the optimizer steps the master. Write into the master's "
-    "gradient instead (scaler.master_weights(optimizer) gives the (parameter, master) pairs), or leave "
-    "accumulate_grads_in_fp32 out."
+    "Write into the master's gradient instead of p.grad (scaler.master_weights(optimizer) gives the "
+    "(parameter, master) pairs), or leave accumulate_grads_in_fp32 out. {name} holds a .grad that "
+    "autograd's accumulation did not leave there: with accumulate_grads_in_fp32=True each backward's "
+    "gradient goes into the float32 sum (the master's .grad) and p.grad is set to None, so a gradient "
+    "written into p.grad by hand, or after scaler.unscale_(optimizer), would be lost: the optimizer steps "
+    "the master."
 )
 
 FSDP2_MESSAGE = (
-    "accumulate_grads_in_fp32=True cannot apply under FSDP2 (fully_shard): FSDP2 reduce-scatters each "
-    "backward's gradient itself, in its reduce_dtype, and keeps the sharded gradient; a float32 sum per "
-    "micro-batch would take the gradient before FSDP2 sees it. FSDP2's own setting: keep the parameters in "
-    "float32 and compute in bfloat16/float16 with fully_shard(module, mp_policy=MixedPrecisionPolicy("
-    "param_dtype=torch.bfloat16, reduce_dtype=torch.float32)); its sharded float32 gradients then "
-    "accumulate in float32 across micro-batches. Or leave accumulate_grads_in_fp32 out. The scaler's "
+    "Keep the parameters in float32 and let FSDP2 compute in bfloat16/float16, fully_shard(module, "
+    "mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)), whose "
+    "sharded float32 gradients accumulate in float32 across micro-batches; or leave "
+    "accumulate_grads_in_fp32 out. accumulate_grads_in_fp32=True cannot apply under FSDP2 (fully_shard): "
+    "FSDP2 reduce-scatters each backward's gradient itself, in its reduce_dtype, and keeps the sharded "
+    "gradient; a float32 sum per micro-batch would take the gradient before FSDP2 sees it. The scaler's "
     "hooks are removed and no master was built."
 )
 
-DDP_MESSAGE_TAIL = (
-    " Under DistributedDataParallel this is DDP's reduced gradient: tell the scaler about the DDP module "
-    "with scaler.register_ddp(ddp_model) (once, after wrapping the model), and the scaler averages the "
-    "float32 sums across DDP's ranks itself at the move."
+DDP_MESSAGE = (
+    "Call scaler.register_ddp(ddp_model) once, after wrapping the model in DistributedDataParallel: the "
+    "scaler then averages the float32 sums across DDP's ranks itself. {name} holds a .grad that "
+    "autograd's accumulation did not leave there, DDP's reduced gradient: with "
+    "accumulate_grads_in_fp32=True each backward's gradient goes into the float32 sum (the master's "
+    ".grad) and p.grad is set to None, so DDP's gradient in p.grad would be lost: the optimizer steps the "
+    "master."
 )
 
 SWAPPED_MESSAGE = (
-    "accumulate_grads_in_fp32=True: {name} was swapped (torch.utils.swap_tensors: a dtype or device change "
-    "under torch's swap-tensors future, or of a tensor-subclass parameter) after the scaler hooked it, and "
-    "the future was off at the next scaler.scale(loss), where the scaler hooks swapped parameters again: its "
-    "micro-batches were summed by autograd in {dtype}. Turn the future on for the whole run "
+    "Turn torch's swap-tensors future on for the whole run "
     "(torch.__future__.set_swap_module_params_on_conversion(True) before training), not around the "
-    "conversion only. Nothing was stepped; the parameter is hooked again for the next backward."
+    "conversion only. With accumulate_grads_in_fp32=True, {name} was swapped (torch.utils.swap_tensors: a "
+    "dtype or device change under that future, or of a tensor-subclass parameter) after the scaler hooked "
+    "it, and the future was off at the next scaler.scale(loss), where the scaler hooks swapped parameters "
+    "again: its micro-batches were summed by autograd in {dtype}. Nothing was stepped; the parameter is "
+    "hooked again for the next backward."
 )
 
 LATER_HOOK_MESSAGE = (
-    "accumulate_grads_in_fp32=True: {name} has a post-accumulate-grad hook registered after the scaler's "
-    "own, which moves each backward's gradient into the float32 sum and sets p.grad = None: that hook "
-    "saw p.grad None. Register it before the scaler first meets the parameter (before the first "
-    "scaler.scale(loss)), or use param.register_hook(fn), which sees each backward's gradient."
+    "Register the post-accumulate-grad hook of {name} before the scaler first meets the parameter (before "
+    "the first scaler.scale(loss)), or use param.register_hook(fn), which sees each backward's gradient. "
+    "That hook was registered after the scaler's own, which with accumulate_grads_in_fp32=True moves each "
+    "backward's gradient into the float32 sum and sets p.grad = None: the hook saw p.grad None."
 )
 
 
@@ -565,7 +569,7 @@ class Accumulation:
                     self.revive(binding.lows())
                     raise ValueError(SWAPPED_MESSAGE.format(name=name(pair, number), dtype=pair.low.dtype))
                 ddp = torch.distributed.is_available() and torch.distributed.is_initialized()
-                raise ValueError(WRITTEN_MESSAGE.format(name=name(pair, number)) + (DDP_MESSAGE_TAIL if ddp else ""))
+                raise ValueError((DDP_MESSAGE if ddp else WRITTEN_MESSAGE).format(name=name(pair, number)))
             if before_step:
                 continue
             found = self.sum_of(pair.low)

@@ -168,14 +168,16 @@ def same(a: Any, b: Any) -> bool:
 
 
 DCP_MESSAGE = (
+    "Save and load optimizer.state_dict() itself beside model.state_dict() (it carries the masters and "
+    "their float32 state; with FSDP2 each rank saves its own shards, e.g. "
+    "torch.save(optimizer.state_dict(), f'optim.{rank}.pt')), or keep FSDP2's parameters in float32 and "
+    "compute in float16 with fully_shard(model, "
+    "mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16)), where no masters are needed and the "
+    "distributed-checkpoint helpers work (docs/migration.md, 'Checkpoints'). "
     "torch.distributed.checkpoint.state_dict cannot name the optimizer's state under "
-    "GradScaler(master_weights=True): the optimizer steps float32 masters, which are not parameters of the "
-    "model, so get_optimizer_state_dict (and set_optimizer_state_dict) find no name for them (a bare KeyError). Save "
-    "and load optimizer.state_dict() itself (it carries the masters and their float32 state; with FSDP2 each "
-    "rank saves its own shards, e.g. torch.save(optimizer.state_dict(), f'optim.{rank}.pt')) beside "
-    "model.state_dict(), or keep FSDP2's parameters in float32 and compute in float16 with "
-    "fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16)): float32 parameters need no "
-    "masters and the distributed-checkpoint helpers work (docs/migration.md, 'Checkpoints')."
+    "GradScaler(master_weights=True): the optimizer steps float32 masters, which are not parameters of "
+    "the model, so get_optimizer_state_dict (and set_optimizer_state_dict) find no name for them (a bare "
+    "KeyError)."
 )
 _DCP_MODULE = "torch.distributed.checkpoint.state_dict"
 

@@ -33,27 +33,29 @@ def low_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 WRITTEN_LOW_GRADS_MESSAGE = (
-    "The float16/bfloat16 gradient of {name} was written after scaler.unscale_(optimizer) moved it to its "
-    "float32 master, which is what the optimizer steps (a clipping over model.parameters() other than "
-    "torch.nn.utils.clip_grad_norm_ and clip_grad_value_, such as adaptive clipping, or a function bound "
-    "before the scaler's first step?). With master_weights=True that write would be lost. Call "
-    "scaler.clip_grad_norm_(optimizer, max_norm), or apply it to the optimizer's own parameters: "
-    "[p for g in optimizer.param_groups for p in g['params']] (the masters, whose gradients are stepped)."
+    "Call scaler.clip_grad_norm_(optimizer, max_norm), or apply the function to the optimizer's own "
+    "parameters, [p for g in optimizer.param_groups for p in g['params']] (the masters, whose gradients "
+    "are stepped). The float16/bfloat16 gradient of {name} was written after scaler.unscale_(optimizer) "
+    "moved it to its float32 master, which is what the optimizer steps (a clipping over "
+    "model.parameters() other than torch.nn.utils.clip_grad_norm_ and clip_grad_value_, such as adaptive "
+    "clipping, or a function bound before the scaler's first step?): with master_weights=True that write "
+    "would be lost."
 )
 
 INNER_OPTIMIZER_MESSAGE = (
-    "master_weights=True cannot train {kind}: it steps its parameters through an optimizer of its own "
-    "(its attribute {attr!r}), which would keep stepping the float16/bfloat16 parameters while the float32 "
-    "masters are never stepped. Build it over float32 copies of the parameters by hand (docs/migration.md, "
-    "'float16 parameters: master weights'), keep the model in float32 under torch.autocast, or shard with "
-    "FSDP2 (torch.distributed.fsdp.fully_shard), whose parameters get float32 masters."
+    "Build the optimizer over float32 copies of the parameters by hand (docs/migration.md, 'float16 "
+    "parameters: master weights'), keep the model in float32 under torch.autocast, or shard with FSDP2 "
+    "(torch.distributed.fsdp.fully_shard), whose parameters get float32 masters. master_weights=True "
+    "cannot train {kind}: it steps its parameters through an optimizer of its own (its attribute "
+    "{attr!r}), which would keep stepping the float16/bfloat16 parameters while the float32 masters are "
+    "never stepped."
 )
 
 DISABLED_MESSAGE = (
-    "GradScaler(master_weights=True, enabled=False) does not scale and keeps no masters: step() calls "
-    "optimizer.step() as it is, which would step {name} in {dtype} and lose the updates below its "
-    "resolution. Enable the scaler (enabled=True) to train it with float32 master weights, or cast the "
-    "model to float32 (model.float()) for a run without loss scaling."
+    "Enable the scaler (enabled=True) to train {name} with float32 master weights, or cast the model to "
+    "float32 (model.float()) for a run without loss scaling. GradScaler(master_weights=True, "
+    "enabled=False) does not scale and keeps no masters: step() calls optimizer.step() as it is, which "
+    "would step the parameter in {dtype} and lose the updates below its resolution."
 )
 
 
@@ -104,8 +106,9 @@ def check_params(
             if id(param) in seen or id(param) in lows:
                 first = seen.get(id(param), "its float32 master")
                 raise ValueError(
-                    f"master_weights=True: the optimizer holds one parameter twice, as {first} and as "
-                    f"{name}. A float32 master can stand for it only once: list each parameter in one place."
+                    "List each parameter in one place of the optimizer: with master_weights=True a float32 "
+                    f"master can stand for it only once, and the optimizer holds one parameter twice, as {first} "
+                    f"and as {name}."
                 )
             seen[id(param)] = name
             if not stands_in(param, trained(param, optimizer.state)) or id(param) in bound:
@@ -115,8 +118,8 @@ def check_params(
             owner = owners.get(id(getattr(param, PARAM_ATTR, param)))
             if owner is not None and owner() is not None and owner() is not optimizer:
                 raise ValueError(
-                    f"master_weights=True: {name} already has a float32 master in another optimizer stepped "
-                    "by this scaler. Give each parameter to one optimizer."
+                    f"Give each parameter to one optimizer: with master_weights=True, {name} already has a "
+                    "float32 master in another optimizer stepped by this scaler."
                 )
 
 
@@ -124,14 +127,15 @@ def check_buildable(name: str, param: torch.Tensor) -> None:
     """Refuse a parameter whose master cannot be built: on the meta device, or not strided."""
     if param.is_meta:
         raise ValueError(
-            f"master_weights=True cannot build a float32 master for {name}: it is on the meta device and has no "
-            "values. Materialise the model (to_empty() + initialisation, or load its weights) before the first "
-            "scaler.step(optimizer)."
+            "Materialise the model (to_empty() + initialisation, or load its weights) before the first "
+            f"scaler.step(optimizer). master_weights=True cannot build a float32 master for {name}: it is on the "
+            "meta device and has no values."
         )
     if param.layout is not torch.strided:
         raise ValueError(
-            f"master_weights=True cannot build a float32 master for {name}: its layout is {param.layout}. Keep "
-            "sparse parameters in float32 (param.data = param.data.float()) or freeze them (requires_grad_(False))."
+            "Keep sparse parameters in float32 (param.data = param.data.float()) or freeze them "
+            f"(requires_grad_(False)). master_weights=True cannot build a float32 master for {name}: its layout "
+            f"is {param.layout}."
         )
 
 

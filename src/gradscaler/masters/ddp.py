@@ -25,17 +25,17 @@ from typing import Any
 import torch
 
 NOT_DDP_MESSAGE = (
-    "scaler.register_ddp(module): module is a {kind}, not a torch.nn.parallel.DistributedDataParallel, and "
-    "holds {count} among its submodules. Pass the DDP-wrapped model (the object DistributedDataParallel(model) "
-    "returned, or a framework's wrapper holding exactly one, such as what Lightning Fabric's setup() returns). "
-    "Nothing was registered."
+    "Pass scaler.register_ddp the DDP-wrapped model: the object DistributedDataParallel(model) returned, "
+    "or a framework's wrapper holding exactly one, such as what Lightning Fabric's setup() returns. "
+    "scaler.register_ddp(module): module is a {kind}, not a torch.nn.parallel.DistributedDataParallel, "
+    "and holds {count} among its submodules. Nothing was registered."
 )
 
 NOT_ACCUMULATING_MESSAGE = (
-    "scaler.register_ddp(ddp_model) is for GradScaler(master_weights=True, accumulate_grads_in_fp32=True): "
-    "this scaler has accumulate_grads_in_fp32={accumulate}. Without the argument DDP's own all-reduce gives "
-    "the masters their gradients; leave the call out, or build the scaler with accumulate_grads_in_fp32=True. "
-    "Nothing was registered."
+    "Leave the call out, or build the scaler with accumulate_grads_in_fp32=True. "
+    "scaler.register_ddp(ddp_model) is for GradScaler(master_weights=True, "
+    "accumulate_grads_in_fp32=True): this scaler has accumulate_grads_in_fp32={accumulate}, and without "
+    "the argument DDP's own all-reduce gives the masters their gradients. Nothing was registered."
 )
 
 

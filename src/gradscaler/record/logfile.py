@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+COUNTERS = ("skipped_steps", "consecutive_skips", "growths", "backoffs", "collapse_run")
+"""The scaler's counters, as a log record names them (``telemetry`` keeps them; here, torch-free, for the reader)."""
 FOLDER = "is a folder, not a log file"
 EMPTY = "the log is empty: no records (loggers are called after each scaler.update())"
 PROBE = 1 << 16

@@ -16,7 +16,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from gradscaler.record.telemetry import COUNTERS
+from gradscaler.record.logfile import COUNTERS
 
 TORCH_GROWTH_INTERVAL = 2000
 """Growth interval assumed for a log that does not state its policy and shows no two growths."""

@@ -30,9 +30,8 @@ from typing import Any
 
 from gradscaler import rule
 from gradscaler.record import logsummary
-from gradscaler.record.logfile import EMPTY, FOLDER
+from gradscaler.record.logfile import COUNTERS, EMPTY, FOLDER
 from gradscaler.record.logsummary import BUCKETS, LogSummary, Writer, writer_name
-from gradscaler.record.telemetry import COUNTERS
 
 __all__ = ["BUCKETS", "LogError", "LogSummary", "summarise", "summarise_file", "writer_name"]
 

@@ -22,7 +22,8 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 
 import torch
 
-COUNTERS = ("skipped_steps", "consecutive_skips", "growths", "backoffs", "collapse_run")
+from gradscaler.record.logfile import COUNTERS
+
 CONSECUTIVE = (False, True, False, False, True)
 """Which counters count a run of consecutive events: they fall back to 0 on a record without their event."""
 SATURATE = 2**62

@@ -331,17 +331,26 @@ def _pct(k: dict[str, Any], name: str) -> str:
     return f"{100 * k[f'{name}_fraction_of_copy_bandwidth']:.0f}% [{100 * q1:.0f}-{100 * q3:.0f}%]"
 
 
+TIMED = ("kernel", "step", "iteration", "matrix", "masters", "compile", "accumulation")
+"""The sections that time something (``memory`` only counts bytes): the header names the median only with one."""
+
+
 def format_tables(results: dict[str, Any]) -> str:
     """Markdown tables of the results (what the terminal and the README show)."""
     env = results["environment"]
     lines = [
         f"device: {env['device']} ({env.get('cores')} cores, {env.get('threads')} torch threads) | "
         f"torch {env['torch']} | "
-        f"{env['dtype']} | seed {env['seed']} | gradscaler {env.get('gradscaler_commit')} | "
-        f"median of {results['steps']} after {results['warmup']} warm-up"
+        f"{env['dtype']} | seed {env['seed']} | gradscaler {env.get('gradscaler_commit')}"
+        + (
+            f" | median of {results['steps']} after {results['warmup']} warm-up"
+            if any(section in results for section in TIMED)
+            else ""
+        )
         + (
             " | kernel and step rows: device time (GPU busy ahead of each call)"
-            if "NVIDIA" in env["device"] or "cuda" in env["device"].lower()
+            if ("kernel" in results or "step" in results)
+            and ("NVIDIA" in env["device"] or "cuda" in env["device"].lower())
             else ""
         )
     ]

@@ -14,8 +14,26 @@ from gradscaler.tools.shell import command, quoted
 
 # No torch at module top, here or in ``shell``: ``--help`` and argument errors answer without it.
 
-SECTIONS = ("kernel", "step", "iteration", "matrix", "masters", "compile", "memory", "accumulation")
 DEFAULT_SECTIONS = ("kernel", "step", "iteration")
+BENCH_SECTIONS = {
+    "kernel": "one read pass over GPT-2-medium-shaped gradients (overflow flag and norms) against "
+    "torch._foreach_norm and a plain copy (the bandwidth ceiling)",
+    "step": "the optimizer step phase (fused / foreach AdamW, with and without clipping): the optimizer "
+    "alone, with torch's scaler, with gradscaler",
+    "iteration": "whole training iterations of a GPT-2-small-shaped model under float16 autocast, torch's "
+    "scaler against gradscaler",
+    "matrix": "shapes x optimizers x clipping with host time, and whole iterations at batch 1",
+    "masters": "float16 parameters with master_weights=True against the same recipe written by hand",
+    "compile": "whole steps eager, with the model compiled and with the step compiled, torch's scaler "
+    "against gradscaler",
+    "memory": "bytes per parameter of float32 / float16 + masters / float16 parameters after a training "
+    "step, measured from the storages (nothing timed)",
+    "accumulation": "what accumulate_grads_in_fp32=True (micro-batch gradients summed in float32) costs "
+    "and gains: the sum's error against float64, a bfloat16 training run against float32, bytes per "
+    "parameter, time per micro-batch, and the same under DDP (2 gloo processes) and FSDP2",
+}
+"""What each section of ``gradscaler bench`` measures, in the order the help lists them."""
+SECTIONS = tuple(BENCH_SECTIONS)
 
 
 def _positive_int(text: str) -> int:
@@ -70,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
             "with float32 master weights (master_weights=True) and without; print a summary table "
             "and write, in the --out folder: gradscaler-demo.png (the figure), gradscaler-demo.json (the "
             "numbers) and gradscaler-demo-scaler.jsonl (the log of the fp16 + gradscaler run, every step; "
-            "`report` reads it). About a minute on one CPU core without AVX-512."
+            "`report` reads it). 1-5 minutes on a 2-core CPU machine (under a minute when nothing else runs, "
+            "longer when other work shares it); progress bars show the time left."
         ),
         epilog=_example("demo --out demo-run --seed 1"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -100,7 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench",
         help="time torch.amp.GradScaler and gradscaler side by side",
-        description=_wrapped("Side-by-side benchmark in one process; checks results while timing."),
+        description=_wrapped("Side-by-side benchmark in one process; checks results while timing. The sections:")
+        + "\n"
+        + "\n".join(
+            textwrap.fill(f"{name}: {what}", 88, initial_indent="  ", subsequent_indent="    ")
+            for name, what in BENCH_SECTIONS.items()
+        ),
         epilog=_example("bench --sections kernel,step --out bench.json"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -112,10 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_sections,
         default=list(DEFAULT_SECTIONS),
         help=f"comma-separated subset of {','.join(SECTIONS)} (default: {','.join(DEFAULT_SECTIONS)}; "
-        "matrix: shapes x optimizers x clip with host time, and whole iterations at batch 1; masters: float16 "
-        "parameters with master_weights=True against the recipe by hand; compile: whole steps eager, with "
-        "the model compiled and with the step compiled, torch's scaler against ours; memory: bytes per parameter of "
-        "float32 / float16 + masters / float16 parameters after a training step, measured from the storages)",
+        "each is described above)",
     )
     bench.add_argument(
         "--quick", action="store_true", help="run the matrix at toy sizes (seconds; for tests and smoke runs)"
@@ -183,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def report_command(log: str, out: str | None, rank: int | None = None, run: str | None = None) -> int:
     """``gradscaler report``: the text on stdout; a problem is one line on stderr naming the file at fault
     (the log, or the figure's file or folder) and exit status 1."""
-    # What can be told without torch (whose import alone takes seconds) is told first.
+    # Reading a log needs no torch (whose import alone takes seconds): record/ and rule.ScaleRule do without it.
     from gradscaler.record.logfile import PLOT_HINT, figure_path, first_problem
 
     figure = None if out is None else figure_path(out)
@@ -200,12 +221,11 @@ def report_command(log: str, out: str | None, rank: int | None = None, run: str 
     if problem is not None:
         print(f"gradscaler report: {log}: {problem}", file=sys.stderr)
         return 1
-    import gradscaler
-    from gradscaler.record.reporting import draw
+    from gradscaler.record.reporting import draw, report
     from gradscaler.record.scalerlog import LogError
 
     try:
-        result = gradscaler.report(log, None, progress=True, rank=rank, run=run)
+        result = report(log, None, progress=True, rank=rank, run=run)
     except LogError as error:
         print(f"gradscaler report: {log}: {error}", file=sys.stderr)
         return 1

@@ -26,7 +26,8 @@ standing in for the all-reduce sum over ranks whose data are alike (``sum_over_r
 
 Sizes (``CPU`` and ``CUDA``, ``Setup``): float16 matrix products on a CPU without AVX-512 run about
 ten times slower than float32 ones, so the CPU model is narrower (width 32) and sees 512 tokens a
-step, which makes the whole demo about a minute on two such cores; on CUDA the model is width 64.
+step, which makes the whole demo under a minute on two such cores when nothing else runs (1-5 minutes
+when other work shares them); on CUDA the model is width 64.
 The verdicts hold over seeds 0-3 at both sizes (benchmarks/results/demo-seeds-cpu.txt).
 """
 
@@ -95,7 +96,7 @@ class Setup:
 
 
 CPU = Setup(width=32, layers=2, heads=4, batch=16, context=32, steps=400, lr=1e-2, final_lr=1e-3)
-"""Sized for a minute on two cores without AVX-512 (float16 products about ten times float32's cost)."""
+"""Sized for under a minute on two quiet cores without AVX-512 (float16 products about ten times float32's cost)."""
 CUDA = Setup(width=64, layers=2, heads=4, batch=16, context=64, steps=600)
 CPU_THREADS = 1
 """Threads on the CPU (``--threads`` changes it). The matrices are small: on 2 quiet cores without
@@ -391,7 +392,7 @@ def _demo(args: Any) -> int:
         f"gradscaler demo: a character-level transformer on generated sentences, {setup.steps} steps per run, "
         f"on {device.type}.\nEach step back-propagates one rank's share of a per-token loss over a "
         f"{setup.ranks}-rank job (loss / {setup.ranks}), which is what makes its gradients small; see "
-        "`python -c 'import gradscaler.tools.demo as d; help(d)'`.\n"
+        f"`{shell.python()} -c 'import gradscaler.tools.demo as d; help(d)'`.\n"
     )
     batches = Batches(corpus(args.seed), batch=setup.batch, context=setup.context, seed=args.seed, device=device)
     log = out / "gradscaler-demo-scaler.jsonl"
