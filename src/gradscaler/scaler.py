@@ -290,7 +290,10 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         self._monitor.clipped(optimizer, by_device, norms, total)
         coef = clipping.clip_coefficient(total, max_norm, on_host=self._scale_on_host)
         if hand_off and not unscaled:
-            record["grad_scale"] = (scale / coef * getattr(optimizer, "grad_scale", 1)).float()
+            grad_scale = scale / coef
+            if hasattr(optimizer, "grad_scale"):  # an optimizer's own factor (a multiply by 1 is no launch)
+                grad_scale = grad_scale * optimizer.grad_scale
+            record["grad_scale"] = grad_scale.float()
         else:
             factor = coef if inv_scale is None else coef * inv_scale
             clipping.scale_grads_(groups, factor)

@@ -124,4 +124,4 @@ def move_grads_(
         )
         if mode:
             norms.append(triton_stats.tensor_norms(partial, tables, len(part), p, mode, torch.float32))
-    return GradStats(flag, torch.cat(norms) if norms else None)
+    return GradStats(flag, (norms[0] if len(norms) == 1 else torch.cat(norms)) if norms else None)

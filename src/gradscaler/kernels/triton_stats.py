@@ -262,7 +262,9 @@ def grad_stats(grads: list[torch.Tensor], norm_type: float | None, inv_scale: to
         _launch(part, table, mode, float(norm_type or 0.0), flag, inv)  # type: ignore[arg-type]
         for part, table in zip(parts, tables, strict=True)
     ]
-    return GradStats(flag, None if mode == MODE_CHECK else torch.cat(norms))
+    if mode == MODE_CHECK:
+        return GradStats(flag, None)
+    return GradStats(flag, norms[0] if len(norms) == 1 else torch.cat(norms))  # one part: no copy
 
 
 def _launch(

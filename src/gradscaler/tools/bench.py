@@ -318,6 +318,13 @@ def run(
 
         progress("bench: bytes per parameter after a training step (3 setups x 2 optimizers) ...")
         results["memory"] = memory_section(device)
+    if "host" in sections:
+        from gradscaler.tools.bench_host import SHAPES, host_section, triton_rows
+
+        progress(f"bench: host cost per step on the CUDA route ({len(SHAPES)} loop shapes x 2 scalers) ...")
+        results["host"] = host_section(steps, warmup)
+        progress("bench: host cost on the Triton route, its kernels in Triton's interpreter (counts only; minutes) ...")
+        results["host"] += triton_rows(progress)
     if "accumulation" in sections:
         from gradscaler.tools.bench_accumulate import accumulation_section
 
@@ -363,6 +370,10 @@ def format_tables(results: dict[str, Any]) -> str:
         from gradscaler.tools.bench_masters import masters_lines
 
         formatters["masters"] = masters_lines
+    if "host" in results:
+        from gradscaler.tools.bench_host import format_host
+
+        formatters["host"] = format_host
     if "compile" in results:
         from gradscaler.tools.bench_compile import compile_lines
 

@@ -25,8 +25,13 @@ is the median of per-step ratios with its quartiles. Every cell is reported.
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
+import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -38,6 +43,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradscaler import GradScaler
+from gradscaler.record.telemetry import RECORDS_PER_COPY
 from gradscaler.tools.harness import gpt2_shapes
 
 PHASES = ("scale", "unscale_", "clip", "step", "update", "zero_grad")
@@ -110,7 +116,8 @@ class Counts(TorchDispatchMode):
         self.ops: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.ops[func.overloadpacket.__name__] += 1
+        if not _IN_TRITON[0]:  # the interpreter's own tensor work stands for one launch, counted apart
+            self.ops[func.overloadpacket.__name__] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -132,6 +139,7 @@ class PhaseCost:
 
 
 _TRITON_LAUNCHES = [0]
+_IN_TRITON = [False]
 
 
 @contextmanager
@@ -143,7 +151,11 @@ def _triton_counted() -> Iterator[None]:
 
     def counted(*args: Any, **kwargs: Any) -> None:
         _TRITON_LAUNCHES[0] += 1
-        launch(*args, **kwargs)
+        _IN_TRITON[0] = True
+        try:
+            launch(*args, **kwargs)
+        finally:
+            _IN_TRITON[0] = False
 
     triton_stats.launch = counted
     try:
@@ -308,9 +320,26 @@ def measure(shape: HostShape, steps: int, warmup: int, route: str = "generic") -
     return row
 
 
-def host_section(steps: int, warmup: int, shapes: list[HostShape] | None = None) -> list[dict[str, Any]]:
-    """One row per loop shape (see ``measure``)."""
-    return [measure(shape, steps, warmup) for shape in shapes or SHAPES]
+def host_section(
+    steps: int, warmup: int, shapes: list[HostShape] | None = None, route: str = "generic"
+) -> list[dict[str, Any]]:
+    """One row per loop shape on ``route`` (see ``measure``). The warm-up is at least enough for the
+    telemetry's first copy to land (its steady state)."""
+    warmup = max(warmup, RECORDS_PER_COPY + 2)
+    return [measure(shape, steps, warmup, route) for shape in shapes or SHAPES]
+
+
+def triton_rows(progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """The Triton route's counts, from a process of their own run under ``TRITON_INTERPRET=1`` (the
+    interpreter must be chosen before Triton is imported; minutes: it runs the kernels in Python, so
+    its times mean nothing). Empty when Triton is not installed."""
+    if importlib.util.find_spec("triton") is None:
+        progress("bench: host section: Triton is not installed, the Triton route is not counted")
+        return []
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    command = [sys.executable, "-m", "gradscaler.tools.bench_host", "--route", "triton"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+    return list(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
 def format_host(rows: list[dict[str, Any]]) -> list[str]:
@@ -323,17 +352,38 @@ def format_host(rows: list[dict[str, Any]]) -> list[str]:
         "Host cost per step on the CUDA route, counted on this machine (kernel launches torch / ours per phase;"
         " CPU time: thread time of the phases, median; ratio ours / torch, median [quartiles] of per-step ratios)",
         "",
-        f"| shape | tensors | {head} | launches | + Triton | syncs | CPU us torch / ours | ratio | same |",
-        "|---|---|" + "---|" * len(PHASES) + "---|---|---|---|---|---|",
+        f"| shape | route | tensors | {head} | launches | + Triton | syncs | CPU us torch / ours | ratio | same |",
+        "|---|---|---|" + "---|" * len(PHASES) + "---|---|---|---|---|---|",
     ]
     for row in rows:
         t, o = row["torch"], row["ours"]
         cells = " | ".join(f"{t[p]['launches']} / {o[p]['launches']}" for p in PHASES)
         ratio = row["time_ratio"]
-        lines.append(
-            f"| {row['shape']} | {row['tensors']} | {cells} | {t['total']['launches']} / {o['total']['launches']} | "
-            f"{t['total']['triton']} / {o['total']['triton']} | {t['total']['syncs']} / {o['total']['syncs']} | "
+        timed = row["route"] != "triton"  # the interpreter's times mean nothing
+        time_cells = (
             f"{t['total']['cpu_us']:.0f} / {o['total']['cpu_us']:.0f} | "
-            f"{ratio['median']:.2f} [{ratio['q1']:.2f}-{ratio['q3']:.2f}] | {'yes' if row['same'] else 'NO'} |"
+            f"{ratio['median']:.2f} [{ratio['q1']:.2f}-{ratio['q3']:.2f}]"
+            if timed
+            else "- | -"
+        )
+        lines.append(
+            f"| {row['shape']} | {row['route']} | {row['tensors']} | {cells} | "
+            f"{t['total']['launches']} / {o['total']['launches']} | "
+            f"{t['total']['triton']} / {o['total']['triton']} | {t['total']['syncs']} / {o['total']['syncs']} | "
+            f"{time_cells} | {'yes' if row['same'] else 'no (rounding: a one-pass clip)'} |"
         )
     return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m gradscaler.tools.bench_host --route triton``: the rows as one JSON line (``triton_rows``)."""
+    parser = argparse.ArgumentParser(prog="python -m gradscaler.tools.bench_host")
+    parser.add_argument("--route", choices=ROUTES, default="generic")
+    parser.add_argument("--steps", type=int, default=1)
+    parser.add_argument("--warmup", type=int, default=RECORDS_PER_COPY + 2)
+    args = parser.parse_args(argv)
+    print(json.dumps(host_section(args.steps, args.warmup, route=args.route)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""``gradscaler bench --sections host`` (tools/bench_host.py): the kernel launches a step issues on the
+CUDA route, ours against torch's scaler, held exactly per loop shape (times stay in the bench).
+
+Counted on the CPU with a dispatch mode, one steady step (after the telemetry's first copy landed):
+``generic`` is the route CUDA takes without Triton; ``triton`` runs gradscaler's read passes through
+its Triton kernels (here in Triton's interpreter), the route of CUDA builds. A count that moves,
+either way, fails here: a new op on the step's path is a decision, made by editing this table. Where
+ours is above torch's the row says so, and docs/architecture.md gives the floor.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from gradscaler.tools import bench_host
+
+# shape -> (torch's launches, ours, ours' Triton launches): one steady step, outside forward and backward
+GENERIC = {
+    "mlp adamw": (18, 17, 0),
+    "mlp adamw + unscale_ + clip": (26, 25, 0),
+    "mlp fused + scaler clip": (21, 30, 0),
+    "mlp adamw + masters": (20, 19, 0),
+    "gpt adamw": (18, 17, 0),
+    "gpt adamw + scaler clip": (26, 37, 0),
+    "gpt fused": (12, 16, 0),
+    "gpt fused + scaler clip": (21, 30, 0),
+    "gpt sgd": (12, 11, 0),
+    "gpt sgd + scaler clip": (20, 31, 0),
+    "gpt adamw + masters": (20, 19, 0),
+    "gpt adamw + scaler clip + masters": (28, 39, 0),
+    "gpt fused + masters": (14, 18, 0),
+    "gpt fused + scaler clip + masters": (23, 32, 0),
+}
+TRITON = {  # the MLP shapes: at 147 tensors the interpreter takes half a minute a step
+    "mlp adamw": (18, 17, 0),
+    "mlp adamw + unscale_ + clip": (26, 25, 0),
+    "mlp fused + scaler clip": (21, 16, 2),
+    "mlp adamw + masters": (20, 17, 1),
+}
+SHAPES = {shape.name: shape for shape in bench_host.SHAPES}
+
+
+def test_the_tables_name_every_shape() -> None:
+    assert set(GENERIC) == set(SHAPES)
+    assert set(TRITON) == {name for name, shape in SHAPES.items() if shape.model == "mlp"}
+
+
+@pytest.mark.parametrize(("route", "name"), [("generic", n) for n in GENERIC] + [("triton", n) for n in TRITON])
+def test_launches_per_step(route: str, name: str) -> None:
+    row = bench_host.measure(SHAPES[name], steps=1, warmup=bench_host.RECORDS_PER_COPY + 2, route=route)
+    torch_total, ours_total = row["torch"]["total"], row["ours"]["total"]
+    got = (torch_total["launches"], ours_total["launches"], ours_total["triton"])
+    assert got == (GENERIC if route == "generic" else TRITON)[name], row
+    assert ours_total["syncs"] == torch_total["syncs"]  # the optimizer's own host reads, no more
+    assert row["ours"]["update"]["launches"] == 2  # _amp_update_scale_ and the record's copy of the scale
+    if route == "triton":  # the route of CUDA builds: never more launches than torch's scaler
+        assert ours_total["launches"] + ours_total["triton"] <= torch_total["launches"]
+    assert row["same"] or SHAPES[name].clip == "scaler"  # a one-pass clip rounds its norm differently
+
+
+def test_the_host_section_formats_every_cell() -> None:
+    rows = bench_host.host_section(steps=2, warmup=0, shapes=[SHAPES["mlp adamw"]])
+    lines = bench_host.format_host(rows)
+    assert any(line.startswith("| mlp adamw | generic | 8 |") for line in lines)
+    assert rows[0]["ours"]["update"]["launches"] == 2  # the warm-up is raised to the telemetry's steady state
