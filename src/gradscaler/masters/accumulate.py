@@ -188,9 +188,12 @@ class Sum:
         grad = param.grad
         if grad is None or param._cdata != self.impl or self.owner() is None:
             return  # a copy of the parameter that shares the hook, or a scaler that is gone
-        if grad.layout is not torch.strided:
-            raise ValueError(SPARSE_MESSAGE.format(shape=tuple(param.shape), dtype=param.dtype, layout=grad.layout))
-        if grad.requires_grad:
+        if grad.layout is not torch.strided or grad.requires_grad:
+            param.grad = None  # a refused backward leaves nothing behind: the first hook of it refuses
+            if grad.layout is not torch.strided:
+                raise ValueError(
+                    SPARSE_MESSAGE.format(shape=tuple(param.shape), dtype=param.dtype, layout=grad.layout)
+                )
             raise RuntimeError(CREATE_GRAPH_MESSAGE.format(shape=tuple(param.shape), dtype=param.dtype))
         master = None if self.master is None else self.master()
         if master is None:
