@@ -164,3 +164,22 @@ def test_a_spelling_bound_to_ours_already_is_patched_and_restored_as_it_was(mast
         assert not gradscaler.is_torch_patched() and torch.GradScaler is original
     finally:
         torch.amp.GradScaler = original  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("accumulate", [False, True], ids=["masters", "masters_and_sums"])
+def test_a_scaler_built_by_its_own_name_under_a_patch_takes_the_patch_arguments(accumulate: bool) -> None:
+    """docs/integrations.md builds ``gradscaler.GradScaler("cpu", master_weights=True)`` after
+    ``patch_torch(master_weights=True)``: with ``accumulate_grads_in_fp32=True`` added to the patch line alone,
+    that scaler summed in float16, silently. Arguments not given now come from the active patch."""
+    with gradscaler.patch_torch(master_weights=True, accumulate_grads_in_fp32=accumulate):
+        given_masters = gradscaler.GradScaler("cpu", master_weights=True)
+        bare = gradscaler.GradScaler("cpu")
+        refused = gradscaler.GradScaler("cpu", master_weights=True, accumulate_grads_in_fp32=False)
+        without = gradscaler.GradScaler("cpu", master_weights=False)
+    after = gradscaler.GradScaler("cpu")
+    assert given_masters._masters.active and bare._masters.active
+    assert (given_masters._masters._sums is not None) == accumulate
+    assert (bare._masters._sums is not None) == accumulate
+    assert refused._masters._sums is None  # an argument given wins
+    assert not without._masters.active
+    assert not after._masters.active  # unpatched: torch's defaults again

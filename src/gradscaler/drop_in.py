@@ -244,6 +244,15 @@ def patch_torch(*, master_weights: bool = False, accumulate_grads_in_fp32: bool 
         return TorchPatch(originals)
 
 
+def patched_defaults() -> tuple[bool, bool]:
+    """``(master_weights, accumulate_grads_in_fp32)`` of the active patch, ``(False, False)`` unpatched: what
+    a scaler built while patched takes for the arguments it is not given, whichever name builds it."""
+    with _lock:
+        if _originals is None:
+            return False, False
+        return ("torch.nn.utils", "clip_grad_norm_") in _originals, _accumulating
+
+
 def unpatch_torch() -> None:
     """Put torch's own GradScaler classes back under every spelling ``patch_torch`` replaced.
 

@@ -7,6 +7,7 @@ them in order and keeps torch's private surface that other libraries rely on.
 from __future__ import annotations
 
 import copy
+import sys
 import weakref
 from collections import abc, defaultdict
 from collections.abc import Callable
@@ -111,9 +112,11 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         on_collapse: ``"raise"`` a ``ScaleCollapseError`` or ``"warn"`` with ``ScaleCollapseWarning``.
         history: length of the on-device ring of past scales and skip flags.
         master_weights: train float16/bfloat16 parameters through float32 masters the optimizer steps
-            (``gradscaler.masters``; docs/migration.md). False keeps torch's ``ValueError``.
+            (``gradscaler.masters``; docs/migration.md). False keeps torch's ``ValueError``. Unset: False,
+            or what an active ``patch_torch(master_weights=...)`` says.
         accumulate_grads_in_fp32: with ``master_weights``, add each backward's gradient of a float16/bfloat16
-            parameter into its master's float32 gradient (``p.grad`` is then None after backward).
+            parameter into its master's float32 gradient (``p.grad`` is then None after backward). Unset:
+            False, or (with masters) what an active ``patch_torch(accumulate_grads_in_fp32=...)`` says.
     """
 
     # torch's class whose name this class stands for under ``patch_torch()`` (see ``__setstate__``).
@@ -137,8 +140,8 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         collapse_patience: int | None = 50,
         on_collapse: str = "raise",
         history: int = 1024,
-        master_weights: bool = False,
-        accumulate_grads_in_fp32: bool = False,
+        master_weights: bool | None = None,
+        accumulate_grads_in_fp32: bool | None = None,
     ) -> None:
         self._device = device
         self._enabled = enabled
@@ -167,6 +170,12 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         self._init_hysteresis_tracker = self._rule.hysteresis
         self._init_counters = [0] * len(COUNTERS)
         self._process_group = process_group
+        patched = sys.modules.get("gradscaler.drop_in")  # a patch's defaults reach every scaler built under it
+        default_masters, default_sums = patched.patched_defaults() if patched is not None else (False, False)
+        master_weights = default_masters if master_weights is None else master_weights
+        accumulate_grads_in_fp32 = (
+            default_sums and master_weights if accumulate_grads_in_fp32 is None else accumulate_grads_in_fp32
+        )
         self._masters = masters.build(master_weights, accumulate_grads_in_fp32)
         stands_for = self._masters.param_of if master_weights else None  # names a master as its parameter
         self._monitor = Monitor(collapse_patience, on_collapse, stands_for=stands_for)
