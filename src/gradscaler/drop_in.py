@@ -241,16 +241,8 @@ def patch_torch(*, master_weights: bool = False, accumulate_grads_in_fp32: bool 
             _installed[(module_name, attr)] = replacement
         _originals = originals
         _accumulating = accumulate_grads_in_fp32
+        masters.DEFAULTS[:] = [master_weights, accumulate_grads_in_fp32]  # our own name builds the same
         return TorchPatch(originals)
-
-
-def patched_defaults() -> tuple[bool, bool]:
-    """``(master_weights, accumulate_grads_in_fp32)`` of the active patch, ``(False, False)`` unpatched: what
-    a scaler built while patched takes for the arguments it is not given, whichever name builds it."""
-    with _lock:
-        if _originals is None:
-            return False, False
-        return ("torch.nn.utils", "clip_grad_norm_") in _originals, _accumulating
 
 
 def unpatch_torch() -> None:
@@ -279,6 +271,7 @@ def _unpatch_locked() -> None:
                 RuntimeWarning,
             )
     _originals = None
+    masters.DEFAULTS[:] = [False, False]
 
 
 def is_torch_patched() -> bool:

@@ -7,11 +7,10 @@ them in order and keeps torch's private surface that other libraries rely on.
 from __future__ import annotations
 
 import copy
-import sys
 import weakref
 from collections import abc, defaultdict
 from collections.abc import Callable
-from typing import Any, TypedDict
+from typing import Any
 
 import torch
 from torch.amp.grad_scaler import OptState
@@ -27,39 +26,9 @@ _NO_CUDA_MESSAGE = (
     "gradscaler.GradScaler(device='cuda') is enabled, but CUDA is not available.  Disabling: scale() returns "
     "its input unchanged and step() calls optimizer.step() as it is. Pass device='cpu' to scale on the CPU."
 )
-_MIXED_MESSAGE = (
-    "Call unscale_() (or clip_grad_norm_()) once per iteration, after the last backward of the accumulation "
-    "window (with Accelerate: inside `if accelerator.sync_gradients:`), or zero_grad() before a new backward "
-    "to start the iteration again. {call} found gradients that unscale_() divided by the scale and a later "
-    "backward added scaled gradients to: a sum that is neither, which no step can use. torch's scaler raises "
-    "at the second unscale_() and steps such a sum as it is (docs/migration.md)."
-)
 _PICKLE_MESSAGE = (
     "A GradScaler instance may only be pickled at the beginning of an iteration, or at the end after scaler.update()."
 )
-
-
-class OptimizerRecord(TypedDict, total=False):
-    """What the scaler knows about one optimizer during the current iteration.
-
-    ``stage`` and ``found_inf_per_device`` are torch's two keys (torch's ``OptState``); the others are
-    ours: the agreed flag, a weak reference to the optimizer, the ``grad_scale`` a fused optimizer
-    receives after clipping, whether ``clip_grad_norm_`` ran, the gradients an unscaled record
-    describes when ``scale()`` found it not stepped, and whether a backward added to them (``stale``).
-    """
-
-    stage: OptState
-    found_inf_per_device: dict[torch.device, torch.Tensor]
-    found_inf: torch.Tensor
-    optimizer: weakref.ReferenceType[torch.optim.Optimizer]
-    grad_scale: torch.Tensor
-    clipped: bool
-    grads_seen: stale.GradSnapshot
-    mixed: bool
-
-
-def _refresh_per_optimizer_state() -> OptimizerRecord:
-    return {"stage": OptState.READY, "found_inf_per_device": {}}
 
 
 class GradScaler(TorchSurface, torch.amp.GradScaler):
@@ -86,16 +55,10 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
                 if isfinite(S * growth_factor): S = S * growth_factor
         S = clamp(S, max(min_scale, 2**-126), min(max_scale, float32 max))
 
-    Differences from torch, each where torch's result is a defect (docs/migration.md): the scale never
-    drops below 2**-126 (torch reaches 0, and every parameter becomes NaN); policies that cannot work
-    (``backoff_factor <= 0``, ``growth_interval < 1``, non-finite factors) are refused; an optimizer
-    without gradients is stepped rather than refused; a fused optimizer's gradients are checked by a
-    read-only pass, not rewritten; state a fused optimizer creates on a skipped first step is dropped
-    (torch's fused SGD keeps uninitialised momentum buffers); ``update(new_scale)`` takes an int;
-    ``step`` refuses a positional closure; after an exception inside ``optimizer.step`` a second
-    ``step`` steps the gradients as they are (unscaled and clipped once), and after an interrupted
-    iteration (``unscale_``, an exception, then ``zero_grad`` and a new backward) the new gradients
-    are unscaled once, where torch steps them still multiplied by the scale.
+    Where torch's result is a defect, ours differs (each difference, with why: docs/migration.md): the
+    scale never drops below 2**-126, unworkable policies are refused, a fused optimizer's gradients are
+    read, not rewritten, and a retried step, an interrupted iteration and ``unscale_`` at every
+    micro-batch never step gradients scaled twice or not at all.
 
     Args:
         device: device type of the scale (``"cuda"``, ``"cpu"``, ...). ``"cuda"`` without CUDA warns
@@ -170,26 +133,19 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         self._init_hysteresis_tracker = self._rule.hysteresis
         self._init_counters = [0] * len(COUNTERS)
         self._process_group = process_group
-        patched = sys.modules.get("gradscaler.drop_in")  # a patch's defaults reach every scaler built under it
-        default_masters, default_sums = patched.patched_defaults() if patched is not None else (False, False)
-        master_weights = default_masters if master_weights is None else master_weights
-        accumulate_grads_in_fp32 = (
-            default_sums and master_weights if accumulate_grads_in_fp32 is None else accumulate_grads_in_fp32
-        )
-        self._masters = masters.build(master_weights, accumulate_grads_in_fp32)
-        stands_for = self._masters.param_of if master_weights else None  # names a master as its parameter
+        self._masters = masters.build(master_weights, accumulate_grads_in_fp32)  # None: an active patch's
+        stands_for = self._masters.param_of if self._masters.active else None  # names a master as its parameter
         self._monitor = Monitor(collapse_patience, on_collapse, stands_for=stands_for)
         self._scale: torch.Tensor | None = None
         self._growth_tracker: torch.Tensor | None = None
         self._hysteresis_tracker: torch.Tensor | None = None
         self._telemetry: Keeper | None = None
-        self._rule_seen: rule.ScaleRule | None = None  # the rule the telemetry's span was last taken under
         self._scale_on_host = False  # set with the scale: reading it costs the host nothing (the CPU)
         self._last_found_inf: torch.Tensor | None = None
         self._param_lists: grads.WeakById[grads.ParamList] = grads.WeakById()  # by optimizer, no longer than it
         # torch annotates the records as plain dicts; ours declare their keys.
-        self._per_optimizer_states: dict[int, OptimizerRecord] = defaultdict(  # type: ignore[assignment]
-            _refresh_per_optimizer_state
+        self._per_optimizer_states: dict[int, stale.OptimizerRecord] = defaultdict(  # type: ignore[assignment]
+            stale.fresh_record
         )
 
     @classmethod
@@ -350,7 +306,7 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         if record["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
         if record.get("mixed"):
-            raise RuntimeError(_MIXED_MESSAGE.format(call="step()"))
+            raise RuntimeError(stale.MIXED_MESSAGE.format(call="step()"))
         if fused.supports_amp_scaling(optimizer):
             return self._begin_fused_step(target, optimizer, record, args, kwargs)
         if record["stage"] is OptState.READY:
@@ -370,7 +326,7 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         self,
         target: Any,
         optimizer: torch.optim.Optimizer,
-        record: OptimizerRecord,
+        record: stale.OptimizerRecord,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> fused.Step:
@@ -427,7 +383,7 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
             rule.set_scale_(scale, new_scale, self._rule, self._scale_on_host, self._device)
             assert self._telemetry is not None
             self._telemetry.rebase()
-            self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+            self._per_optimizer_states = defaultdict(stale.fresh_record)
             return
         records = list(self._per_optimizer_states.values())
         flags = [r["found_inf"] for r in records if "found_inf" in r]
@@ -435,16 +391,13 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
             raise AssertionError("No inf checks were recorded prior to update.")
         found = grads.combine_flags(flags)
         assert self._hysteresis_tracker is not None and self._telemetry is not None
-        if self._rule is not self._rule_seen:  # the span below assumes one rule's factors since the last read
-            self._telemetry.rebase()
-            self._rule_seen = self._rule
         before = self._telemetry.before(scale)  # a float when the scale is in host memory
-        span = self._telemetry.span(self._rule.growth_factor, self._rule.backoff_factor)
+        span = self._telemetry.span(self._rule)  # where the scale can be now, when the host knows
         rule.update_scale_(scale, growth_tracker, self._hysteresis_tracker, found, self._rule, span)
         tag, carry = self._monitor.record_update(records, found, self._rule)
         self._telemetry.record_(found, before, scale, self._rule.lower, tag, carry)
         self._last_found_inf = found
-        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+        self._per_optimizer_states = defaultdict(stale.fresh_record)
         if self._monitor.wants_counters:
             self._monitor.after_update(self._telemetry.landed())
 
@@ -643,13 +596,13 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
             self._rule, self.get_scale(), self._get_growth_tracker(), hysteresis, counters, self._monitor.steps
         )
 
-    def _check_stage(self, record: OptimizerRecord, call: str, allow_unscaled: bool = False) -> None:
+    def _check_stage(self, record: stale.OptimizerRecord, call: str, allow_unscaled: bool = False) -> None:
         if record["stage"] is OptState.UNSCALED and not allow_unscaled:
             raise RuntimeError(f"{call} has already been called on this optimizer since the last update().")
         if record["stage"] is OptState.STEPPED:
             raise RuntimeError(f"{call} is being called after step().")
         if record.get("mixed"):
-            raise RuntimeError(_MIXED_MESSAGE.format(call=call))
+            raise RuntimeError(stale.MIXED_MESSAGE.format(call=call))
 
     def _inv_scale(self) -> torch.Tensor:
         scale, _ = self._check_scale_growth_tracker("unscale_")
@@ -671,7 +624,7 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
     def _record_found_inf(
         self,
         optimizer: torch.optim.Optimizer,
-        record: OptimizerRecord,
+        record: stale.OptimizerRecord,
         per_device: dict[torch.device, torch.Tensor],
         agreement: distributed.Agreement,
     ) -> torch.Tensor:
@@ -684,7 +637,7 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         record["optimizer"] = weakref.ref(optimizer)
         return combined
 
-    def _record(self, optimizer: torch.optim.Optimizer) -> OptimizerRecord:
+    def _record(self, optimizer: torch.optim.Optimizer) -> stale.OptimizerRecord:
         """``optimizer``'s record of this iteration; a fresh one when a new backward made it stale."""
         record = self._per_optimizer_states[id(optimizer)]
         seen = record.pop("grads_seen", None)  # checked once: our own clipping may write the gradients next
@@ -692,7 +645,7 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
             if not seen.cleared():  # added to the unscaled gradients: refused by unscale_, clip and step
                 record["mixed"] = True
                 return record
-            record = self._per_optimizer_states[id(optimizer)] = _refresh_per_optimizer_state()
+            record = self._per_optimizer_states[id(optimizer)] = stale.fresh_record()
             self._masters.end(optimizer)  # the new gradients are moved into the masters afresh
         return record
 
@@ -718,10 +671,8 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         self._hysteresis_tracker = torch.full((), self._init_hysteresis_tracker, dtype=torch.int32, device=dev)
         self._scale_on_host = kernels.host_reads_free(self._scale.device)
         self._telemetry = make_telemetry(
-            self._scale.device, self._history, self._init_counters, on_host=self._scale_on_host
+            self._scale.device, self._history, self._init_counters, self._scale_on_host, bool(self._monitor.loggers)
         )
-        if self._monitor.loggers:
-            self._telemetry.copy_every(1)
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:  # type: ignore[override]
         self._check_scale_growth_tracker("_check_inf_per_device")

@@ -1,4 +1,5 @@
-"""Telling a retried step from a new iteration when an unscaled optimizer was never stepped.
+"""An optimizer's record of the iteration (``OptimizerRecord``), and telling a retried step from a new
+iteration when an unscaled optimizer was never stepped.
 
 ``unscale_`` (or ``clip_grad_norm_``) leaves an optimizer's gradients unscaled and its record says so
 until ``update()``. If the iteration is interrupted before ``step`` (an exception in the user's
@@ -28,8 +29,18 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
+from typing import TypedDict
 
 import torch
+from torch.amp.grad_scaler import OptState
+
+MIXED_MESSAGE = (
+    "Call unscale_() (or clip_grad_norm_()) once per iteration, after the last backward of the accumulation "
+    "window (with Accelerate: inside `if accelerator.sync_gradients:`), or zero_grad() before a new backward "
+    "to start the iteration again. {call} found gradients that unscale_() divided by the scale and a later "
+    "backward added scaled gradients to: a sum that is neither, which no step can use. torch's scaler raises "
+    "at the second unscale_() and steps such a sum as it is (docs/migration.md)."
+)
 
 
 class GradSnapshot:
@@ -87,3 +98,27 @@ def largest_magnitude(params: Sequence[torch.Tensor]) -> torch.Tensor | None:
             peaks += [norm.to(torch.float32) for norm in torch._foreach_norm(dense, float("inf"))]
         device = peaks[0].device
         return torch.stack([peak.to(device) for peak in peaks]).amax()
+
+
+class OptimizerRecord(TypedDict, total=False):
+    """What the scaler knows about one optimizer during the current iteration.
+
+    ``stage`` and ``found_inf_per_device`` are torch's two keys (torch's ``OptState``); the others are
+    ours: the agreed flag, a weak reference to the optimizer, the ``grad_scale`` a fused optimizer
+    receives after clipping, whether ``clip_grad_norm_`` ran, the gradients an unscaled record
+    describes when ``scale()`` found it not stepped, and whether a backward added to them (``stale``).
+    """
+
+    stage: OptState
+    found_inf_per_device: dict[torch.device, torch.Tensor]
+    found_inf: torch.Tensor
+    optimizer: weakref.ReferenceType[torch.optim.Optimizer]
+    grad_scale: torch.Tensor
+    clipped: bool
+    grads_seen: GradSnapshot
+    mixed: bool
+
+
+def fresh_record() -> OptimizerRecord:
+    """A record at the start of an iteration (torch's ``_refresh_per_optimizer_state``)."""
+    return {"stage": OptState.READY, "found_inf_per_device": {}}

@@ -39,6 +39,7 @@ from gradscaler.masters.wrappers import (
 )
 
 __all__ = [
+    "DEFAULTS",
     "ROUTED_CLIPPING",
     "SAVED_KEY",
     "WITHOUT_MASTERS_MESSAGE",
@@ -55,9 +56,19 @@ __all__ = [
 ]
 
 
-def build(master_weights: bool, accumulate_grads_in_fp32: bool) -> MasterWeights | NoMasters:
-    """The masters of a scaler built with these two arguments; ``ValueError`` for accumulation without
-    masters (nothing built)."""
+DEFAULTS = [False, False]
+"""``master_weights`` and ``accumulate_grads_in_fp32`` for a scaler built without them: an active
+``patch_torch(...)``'s (it sets them; ``unpatch_torch`` puts False back), so that every scaler built under
+the patch, by any name, takes its arguments."""
+
+
+def build(master_weights: bool | None, accumulate_grads_in_fp32: bool | None) -> MasterWeights | NoMasters:
+    """The masters of a scaler built with these two arguments (None: ``DEFAULTS``; the float32 sums only
+    with masters); ``ValueError`` for accumulation without masters (nothing built)."""
+    if master_weights is None:
+        master_weights = DEFAULTS[0]
+    if accumulate_grads_in_fp32 is None:
+        accumulate_grads_in_fp32 = DEFAULTS[1] and master_weights
     if accumulate_grads_in_fp32 and not master_weights:
         raise ValueError(WITHOUT_MASTERS_MESSAGE)
     return MasterWeights(accumulate_grads_in_fp32) if master_weights else NoMasters()

@@ -191,9 +191,7 @@ class Sum:
         if grad.layout is not torch.strided or grad.requires_grad:
             param.grad = None  # a refused backward leaves nothing behind: the first hook of it refuses
             if grad.layout is not torch.strided:
-                raise ValueError(
-                    SPARSE_MESSAGE.format(shape=tuple(param.shape), dtype=param.dtype, layout=grad.layout)
-                )
+                raise ValueError(SPARSE_MESSAGE.format(shape=tuple(param.shape), dtype=param.dtype, layout=grad.layout))
             raise RuntimeError(CREATE_GRAPH_MESSAGE.format(shape=tuple(param.shape), dtype=param.dtype))
         master = None if self.master is None else self.master()
         if master is None:

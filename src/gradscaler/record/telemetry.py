@@ -63,7 +63,7 @@ class Keeper(Protocol):
     def before(self, scale: torch.Tensor) -> Any: ...
     def rebase(self) -> None: ...
     def copy_every(self, records: int) -> None: ...
-    def span(self, growth: float, backoff: float) -> tuple[float, float] | None: ...
+    def span(self, rule: Any) -> tuple[float, float] | None: ...
     def record_(
         self,
         found: torch.Tensor,
@@ -79,9 +79,15 @@ class Keeper(Protocol):
     def histories(self) -> tuple[list[float], list[bool]]: ...
 
 
-def make_telemetry(device: torch.device, history: int, counters: list[int], *, on_host: bool) -> Keeper:
-    """``HostTelemetry`` when ``on_host`` (the scale is in host memory), else ``Telemetry`` on ``device``."""
-    return HostTelemetry(history, counters) if on_host else Telemetry(device, history, counters)
+def make_telemetry(
+    device: torch.device, history: int, counters: list[int], on_host: bool, logged: bool = False
+) -> Keeper:
+    """``HostTelemetry`` when ``on_host`` (the scale is in host memory), else ``Telemetry`` on ``device``,
+    copying each record on its own when ``logged`` (a logger is attached)."""
+    keeper: Keeper = HostTelemetry(history, counters) if on_host else Telemetry(device, history, counters)
+    if logged:
+        keeper.copy_every(1)
+    return keeper
 
 
 class Telemetry:
@@ -115,6 +121,7 @@ class Telemetry:
         self._last_after: float | None = None  # the scale after the last accounted record
         self._rebased = True  # the next record's before is a copy of the scale (none before it yet)
         self._made = self._accounted = self._rebased_at = 0  # records made, accounted; made at the last rebase
+        self._rule: Any = None  # the rule of the last span
         # allocated now: a buffer made during a capture would be filled by each replay, not before
         self._ring = _Ring(device, history) if device.type == "cuda" else None
         self._captured = False  # a captured update writes into the ring
@@ -141,9 +148,13 @@ class Telemetry:
         if len(self._pending) >= records:
             self._flush()
 
-    def span(self, growth: float, backoff: float) -> tuple[float, float] | None:
+    def span(self, rule: Any) -> tuple[float, float] | None:
         """The least and greatest the scale can be now, from the last accounted record's scale and the
-        updates made since (each a ``growth`` or a ``backoff`` at most); None when unknown."""
+        updates made since (each a growth or a backoff of ``rule`` at most); None when unknown, or when
+        the rule changed since a record that landed was made."""
+        if rule is not self._rule:
+            self._rule, self._rebased_at = rule, self._made
+        growth, backoff = rule.growth_factor, rule.backoff_factor
         if self._accounted <= self._rebased_at or self._last_after is None or self._captured or self._capturing():
             return None  # no record since the scale was set is on the host; a captured update replays from any scale
         unseen = self._made - self._accounted
@@ -318,7 +329,7 @@ class HostTelemetry:
     def copy_every(self, records: int) -> None:
         """Nothing to do: every record is on the host at once."""
 
-    def span(self, growth: float, backoff: float) -> tuple[float, float] | None:
+    def span(self, rule: Any) -> tuple[float, float] | None:
         """The scale as the last ``before`` read it (both ends)."""
         return None if self._now is None else (self._now, self._now)
 
