@@ -30,8 +30,8 @@ $(STAMP): $(DEMO_STAMP)
 	$(BIN)/pip install --quiet --no-deps timm==1.0.31
 	touch $(STAMP)
 
-# README's demo numbers were recorded with the float16 kernels of an x86 CPU without AVX-512; on every
-# x86 CPU make demo asks for those kernels, so that it prints README's numbers there too. On an
+# The demo's recorded numbers (docs/demo.md) come from the float16 kernels of an x86 CPU without
+# AVX-512; on every x86 CPU make demo asks for those kernels, so that it prints those numbers there too. On an
 # AVX-512 machine that costs time: 181-193 s against 117-118 s unpinned, two runs each at load 10-12
 # (benchmarks/results/demo-isa-cpu.txt). Elsewhere (ARM, a GPU) the variables change nothing.
 DEMO_ISA := $(if $(filter x86_64 amd64,$(shell uname -m)),ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2)
@@ -73,7 +73,7 @@ test-triton-ends: $(STAMP)
 # again without what needs newer releases: the kernel tests and every test of the Triton path (older
 # CUDA builds pin a Triton below the kernels' tested range), the frameworks' (pinned releases that need a newer torch), DTensor's public
 # API (torch 2.5), torch.compile's counts, and the bench, demo, CLI, report and docs files. Results of
-# 2.11.0 and 2.4.1, and what differs there: README.md, "Which torch".
+# 2.11.0 and 2.4.1, and what differs there: docs/development.md, "Which torch".
 OLDER_TORCH ?= 2.11.0
 OLDER_VENV := $(VENV)/torch-$(OLDER_TORCH)
 OLDER_LEFT_OUT := $(KERNEL_TESTS) $(wildcard tests/test_integration_*.py) tests/test_ecosystem.py \

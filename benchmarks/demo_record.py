@@ -1,7 +1,7 @@
-"""The one recorded demo run that README quotes, and README's demo figures written from it.
+"""The one recorded demo run that docs/demo.md and README quote, and the demo's figures written from it.
 
     PYTHONPATH=src python3 benchmarks/demo_record.py          # run the demo and the report, record, rewrite
-    PYTHONPATH=src python3 benchmarks/demo_record.py --readme # rewrite README from the record only
+    PYTHONPATH=src python3 benchmarks/demo_record.py --readme # rewrite the quoting blocks from the record only
 
 Running it runs ``gradscaler demo`` (no progress bars; the float16 kernels of a CPU without AVX-512,
 ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2``, unless ``--native``) in a scratch folder, then
@@ -9,8 +9,9 @@ README's ``gradscaler report`` command on its log, and keeps what they printed a
 ``benchmarks/results/demo-record/``: ``record.json`` (the command, the CPU, torch, the commit, the time
 and the load), ``demo-stdout.txt``, ``gradscaler-demo.json`` (every number), ``gradscaler-demo-scaler.jsonl``
 (the log) and ``report-stdout.txt``; the figures go to ``docs/demo.png`` and ``docs/report.png``. Then it
-rewrites README's blocks between ``<!-- demo-record -->`` and ``<!-- demo-report -->`` markers from the
-record alone (``render``), which ``tests/test_readme.py`` compares with README.
+rewrites, from the record alone (``render``), the block between ``<!-- demo-record -->`` markers in
+docs/demo.md and the one between ``<!-- demo-report -->`` markers in README.md (``BLOCKS``), which
+``tests/test_readme.py`` compares with the record.
 """
 
 from __future__ import annotations
@@ -31,10 +32,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 RECORD = ROOT / "benchmarks" / "results" / "demo-record"
 README = ROOT / "README.md"
+DEMO_PAGE = ROOT / "docs" / "demo.md"
 AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 REPORT_ARGS = ["report", "gradscaler-demo-scaler.jsonl", "--out", "gradscaler-demo-report.png"]
 """README's report command after ``make demo`` (its program aside): the log the demo wrote, a figure beside it."""
-BLOCKS = ("demo-record", "demo-report")
+BLOCKS = {"demo-record": DEMO_PAGE, "demo-report": README}
+"""Each generated block and the file that holds it (its links are relative to that file's folder)."""
 
 
 def cpu_model() -> str:
@@ -136,7 +139,7 @@ def report_text(stdout: str) -> str:
 
 
 def render(rec: dict[str, Any]) -> dict[str, str]:
-    """README's generated blocks, from the record alone."""
+    """The generated blocks (``BLOCKS``), from the record alone."""
     meta, numbers = rec["meta"], rec["numbers"]
     runs = {r["run"]: r for r in numbers["runs"]}
     fp32 = runs["fp32"]["final_loss"]
@@ -167,19 +170,20 @@ def render(rec: dict[str, Any]) -> dict[str, str]:
     provenance = (
         f"Recorded with `{meta['command']}` (what `make demo` runs, less the progress bars; {kernels}, "
         f"torch reports capability {meta['cpu_capability']}) on {meta['cpu']}, torch "
-        f"{meta['torch']}, commit {meta['commit']}, {meta['date']}: {meta['demo_seconds']:.0f} s for the "
+        f"{meta['torch']}: {meta['demo_seconds']:.0f} s for the "
         f"whole demo, load average {meta['load_before']} before and {meta['load_after']} after (other "
         "work shared the machine). Another CPU's float16 kernels round differently, so its last digits "
         "differ; the verdicts hold over seeds 0-3 with both kinds of kernels "
-        "([benchmarks/results/demo-seeds-cpu.txt](benchmarks/results/demo-seeds-cpu.txt)). "
+        "([benchmarks/results/demo-seeds-cpu.txt](../benchmarks/results/demo-seeds-cpu.txt)). "
         "`PYTHONPATH=src python3 benchmarks/demo_record.py` reruns it and rewrites this block, "
-        "the quoted report and both figures, from "
-        "[benchmarks/results/demo-record](benchmarks/results/demo-record/record.json)."
+        "the report README quotes and both figures, from "
+        "[benchmarks/results/demo-record](../benchmarks/results/demo-record/record.json) "
+        "(which also names the commit and the date)."
     )
     record_block = "\n\n".join(
         [
             prose,
-            "![gradscaler demo: gradient histogram, loss curves, loss scale, verdicts](docs/demo.png)",
+            "![gradscaler demo: gradient histogram, loss curves, loss scale, verdicts](demo.png)",
             "What it printed:",
             "```text\n" + demo_results(rec["demo"]) + "\n```",
             provenance,
@@ -192,11 +196,12 @@ def block(text: str, name: str) -> str:
     """The text between ``<!-- name -->`` and ``<!-- /name -->`` in ``text``, without the blank lines at its ends."""
     found = re.search(rf"<!-- {name} -->\n(.*?)<!-- /{name} -->", text, flags=re.S)
     if found is None:
-        raise ValueError(f"README.md has no <!-- {name} --> ... <!-- /{name} --> block")
+        raise ValueError(f"no <!-- {name} --> ... <!-- /{name} --> block")
     return found.group(1).strip("\n")
 
 
 def rewrite(readme: str, blocks: dict[str, str]) -> str:
+    """``readme`` (any page's text) with each named block's body replaced."""
     for name, body in blocks.items():
         block(readme, name)  # it must be there
         readme = re.sub(
@@ -211,7 +216,9 @@ def rewrite(readme: str, blocks: dict[str, str]) -> str:
 def main(argv: list[str]) -> int:
     if "--readme" not in argv:
         record(native="--native" in argv)
-    README.write_text(rewrite(README.read_text(), render(read_record())))
+    rendered = render(read_record())
+    for name, page in BLOCKS.items():
+        page.write_text(rewrite(page.read_text(), {name: rendered[name]}))
     return 0
 
 

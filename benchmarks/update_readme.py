@@ -1,4 +1,4 @@
-"""Put a recorded ``gradscaler bench`` text output into README.md between the bench-gpu markers.
+"""Put a recorded ``gradscaler bench`` text output into docs/benchmarks.md between the bench-gpu markers.
 
 python benchmarks/update_readme.py benchmarks/results/h100-2026-11-22.txt
 """
@@ -8,16 +8,16 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 START, END = "<!-- bench-gpu -->\n", "<!-- /bench-gpu -->"
 
 
 def main(path: str) -> None:
     text = Path(path).read_text()
     tables = text[text.index("One read pass") :].split("numbers written")[0].strip()
-    readme = README.read_text()
-    head, rest = readme.split(START, 1)
-    README.write_text(head + START + tables + "\n" + END + rest.split(END, 1)[1])
+    page = PAGE.read_text()
+    head, rest = page.split(START, 1)
+    PAGE.write_text(head + START + tables + "\n" + END + rest.split(END, 1)[1])
 
 
 if __name__ == "__main__":

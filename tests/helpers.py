@@ -13,7 +13,7 @@ from torch import nn
 
 OPTIMIZERS = ("sgd", "adam", "adamw", "adagrad")
 TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
-"""(major, minor) of the torch under test: CI tests 2.13; ``make test-older-torch`` an older one (README.md)."""
+"""(major, minor) of the torch under test: CI tests 2.13; ``make test-older-torch`` another (docs/development.md)."""
 MODES = ("forloop", "foreach", "fused")
 
 

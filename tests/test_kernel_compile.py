@@ -29,7 +29,7 @@ pytest.importorskip("triton")
 from gradscaler.kernels import triton_stats
 
 TARGETS = (70, 75, 80, 86, 89, 90, 100)
-"""The compute capabilities the library claims (README, "GPUs"): 7.0 to 10.0."""
+"""The compute capabilities the library claims (docs/development.md, "GPUs"): 7.0 to 10.0."""
 SASS_TARGET = 90
 SCRIPT = Path(__file__).with_name("kernel_compile.py")
 

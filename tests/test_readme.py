@@ -1,9 +1,9 @@
-"""README as a newcomer uses it: its commands run as pasted, its figures are the recorded run's.
+"""README and the pages it links as a newcomer uses them: commands run as pasted, figures are the recorded run's.
 
-README's demo numbers, its quoted report and its two figures come from one recorded run
-(``benchmarks/demo_record.py`` writes ``benchmarks/results/demo-record/`` and README's marked blocks).
-These tests fail when README and the record disagree, when the code would print the record's numbers
-differently, and when a command README shows would not run.
+The demo's numbers (docs/demo.md), README's quoted report and the two figures come from one recorded run
+(``benchmarks/demo_record.py`` writes ``benchmarks/results/demo-record/`` and the marked blocks).
+These tests fail when a page and the record disagree, when the code would print the record's numbers
+differently, when a command a page shows would not run, and when a link does not lead anywhere.
 """
 
 from __future__ import annotations
@@ -26,6 +26,20 @@ from gradscaler.tools import cli, demo
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+PAGES = {
+    name: (ROOT / name).read_text()
+    for name in (
+        "README.md",
+        "docs/guide.md",
+        "docs/install.md",
+        "docs/demo.md",
+        "docs/development.md",
+        "docs/benchmarks.md",
+    )
+}
+"""README and the pages its reference lives on: their commands are checked here."""
+RUN_PAGES = ("README.md", "docs/guide.md")
+"""The pages every Python block of which runs (tests/test_docs.py runs them as well)."""
 
 
 def load_recorder() -> ModuleType:
@@ -39,9 +53,15 @@ def load_recorder() -> ModuleType:
 recorder = load_recorder()
 
 
-def shell_lines() -> list[str]:
-    """Every command line of README's ``sh`` blocks, comments cut off."""
-    blocks = re.findall(r"```sh\n(.*?)```", README, flags=re.S)
+def shell_blocks(texts: list[str] | None = None) -> list[str]:
+    """The ``sh`` blocks of ``texts`` (default: every page of ``PAGES``)."""
+    texts = list(PAGES.values()) if texts is None else texts
+    return [b for text in texts for b in re.findall(r"```sh\n(.*?)```", text, flags=re.S)]
+
+
+def shell_lines(texts: list[str] | None = None) -> list[str]:
+    """Every command line of the pages' ``sh`` blocks, comments cut off."""
+    blocks = shell_blocks(texts)
     lines = [line.split("  #")[0].strip() for block in blocks for line in block.splitlines()]
     return [line for line in lines if line and not line.startswith("#")]
 
@@ -49,10 +69,15 @@ def shell_lines() -> list[str]:
 @pytest.mark.parametrize("name", recorder.BLOCKS)
 def test_readme_demo_blocks_are_the_recorded_run(name: str) -> None:
     expected = recorder.render(recorder.read_record())[name]
-    assert recorder.block(README, name) == expected, (
-        f"README's {name} block differs from benchmarks/results/demo-record: "
+    page = recorder.BLOCKS[name]
+    assert recorder.block(page.read_text(), name) == expected, (
+        f"{page.relative_to(ROOT)}'s {name} block differs from benchmarks/results/demo-record: "
         "run PYTHONPATH=src python3 benchmarks/demo_record.py --readme (or without --readme to record again)"
     )
+
+
+def test_the_demo_blocks_live_where_readme_and_the_demo_page_are() -> None:
+    assert recorder.BLOCKS == {"demo-record": ROOT / "docs" / "demo.md", "demo-report": ROOT / "README.md"}
 
 
 def finite_or_nan(run: dict[str, Any]) -> dict[str, Any]:
@@ -76,12 +101,14 @@ def test_the_record_names_its_command_cpu_and_commit() -> None:
     assert meta["command"].endswith("gradscaler demo --no-progress")
     assert re.fullmatch(r"[0-9a-f]{7,}( with uncommitted changes under src/)?", meta["commit"])
     assert meta["cpu"] and meta["cpu_capability"] and meta["torch"].startswith("2.")
-    assert recorder.block(README, "demo-record").count(meta["commit"]) == 1
+    quoted = recorder.block(PAGES["docs/demo.md"], "demo-record")
+    assert meta["cpu"] in quoted and meta["torch"] in quoted and meta["command"] in quoted
+    assert "(../benchmarks/results/demo-record/record.json)" in quoted  # where the commit and the date are
 
 
 def test_readme_report_command_prints_what_readme_says(tmp_path: Path) -> None:
     """README's line after ``make demo``, run on the recorded demo's log in a folder like a fresh clone."""
-    (line,) = [line for line in shell_lines() if line.startswith(".venv/bin/gradscaler report ")]
+    (line,) = [line for line in shell_lines([README]) if line.startswith(".venv/bin/gradscaler report ")]
     shutil.copyfile(recorder.RECORD / "gradscaler-demo-scaler.jsonl", tmp_path / "gradscaler-demo-scaler.jsonl")
     argv = shlex.split(line)[1:]
     assert argv == recorder.REPORT_ARGS  # the command the record ran
@@ -142,19 +169,45 @@ def test_readme_files_it_runs_exist() -> None:
                 assert (ROOT / word).is_file(), line
 
 
-def test_readme_links_to_its_own_sections_resolve() -> None:
-    """The contents list: every #anchor is a heading (GitHub's anchors: lower case, punctuation dropped)."""
-    anchors = {
+def anchors(text: str) -> set[str]:
+    """A page's heading anchors as GitHub makes them: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"```.*?```", "", text, flags=re.S)  # a comment line in a code block is no heading
+    return {
         re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
-        for heading in re.findall(r"(?m)^#{2,3} (.*)$", README)
+        for heading in re.findall(r"(?m)^#{1,4} (.*)$", text)
     }
+
+
+LINKED = ["README.md", *sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md"))]
+
+
+@pytest.mark.parametrize("name", LINKED)
+def test_links_resolve(name: str) -> None:
+    """Every relative link of README and docs/ leads to a file that exists, and every #anchor to a heading
+    of its page (the page's own, or the linked one's)."""
+    page = ROOT / name
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+:", target):
+            continue  # a URL
+        path, _, anchor = target.partition("#")
+        linked = (page.parent / path).resolve() if path else page
+        found = linked.exists() and (not anchor or (linked.suffix == ".md" and anchor in anchors(linked.read_text())))
+        if not found:
+            broken.append(target)
+    assert not broken, broken
+
+
+def test_readme_links_to_its_own_sections() -> None:
+    """The contents list is there, and each of its entries a heading of README."""
     links = set(re.findall(r"\]\(#([^)]+)\)", README))
-    assert links and links <= anchors, links - anchors
+    assert len(links) >= 8 and links <= anchors(README), links - anchors(README)
 
 
 def git_url_block() -> str:
-    """README's block that installs from the git URL ``git remote get-url origin`` prints."""
-    (block,) = [b for b in re.findall(r"```sh\n(.*?)```", README, flags=re.S) if "git remote get-url origin" in b]
+    """The block (docs/install.md) that installs from the git URL ``git remote get-url origin`` prints."""
+    (block,) = [b for b in shell_blocks() if "git remote get-url origin" in b]
     return block
 
 
@@ -191,8 +244,8 @@ def test_readme_git_url_block_installs_from_a_clone_path(tmp_path: Path) -> None
 
 
 def test_make_demo_pins_the_kernels_the_record_was_made_with() -> None:
-    """README's numbers are what ``make demo`` prints on an x86 CPU: the Makefile sets, on x86, the variables
-    the record's command names, and README says so (with what it costs on an AVX-512 CPU)."""
+    """The recorded numbers are what ``make demo`` prints on an x86 CPU: the Makefile sets, on x86, the
+    variables the record's command names, and docs/demo.md says so (with what it costs on an AVX-512 CPU)."""
     meta = recorder.read_record()["meta"]
     pins = [word for word in meta["command"].split() if "=" in word]
     assert pins == ["ATEN_CPU_CAPABILITY=avx2", "ONEDNN_MAX_CPU_ISA=AVX2"], meta["command"]
@@ -200,8 +253,9 @@ def test_make_demo_pins_the_kernels_the_record_was_made_with() -> None:
     (isa,) = re.findall(r"(?m)^DEMO_ISA := \$\(if \$\(filter x86_64 amd64,\$\(shell uname -m\)\),(.*)\)$", makefile)
     assert isa.split() == pins
     assert re.search(r"(?m)^demo: .*\n\t\$\(DEMO_ISA\) \$\(BIN\)/gradscaler demo$", makefile)
-    assert "what `make demo` runs" in recorder.block(README, "demo-record")
-    assert f"(`{' '.join(pins)}`)" in README
+    page = PAGES["docs/demo.md"]
+    assert "what `make demo` runs" in recorder.block(page, "demo-record")
+    assert f"(`{' '.join(pins)}`)" in page
 
 
 DEMO_VENV_LACKS = (
@@ -240,7 +294,7 @@ for index, code, needs in blocks:
     finder.blocked = set(lacks) - set(needs)
     os.chdir(tempfile.mkdtemp())
     try:
-        exec(compile(code, f"README.md block {index}", "exec"), {"__name__": "readme"})
+        exec(compile(code, f"block {index}", "exec"), {"__name__": "readme"})
     except ImportError as error:
         print(f"block {index}: {error}", flush=True)
         continue
@@ -249,7 +303,8 @@ for index, code, needs in blocks:
 
 
 def python_blocks() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", README, flags=re.S)
+    """The Python blocks of ``RUN_PAGES``, in order."""
+    return [b for name in RUN_PAGES for b in re.findall(r"```python\n(.*?)```", PAGES[name], flags=re.S)]
 
 
 def needs(block: str) -> list[str]:
@@ -260,10 +315,10 @@ def needs(block: str) -> list[str]:
 
 
 def test_readme_python_blocks_run_in_the_venv_make_demo_sets_up() -> None:
-    """Each block in a process where what make demo's .venv lacks cannot be imported, but for what the
-    block's first line names; the TensorBoard block once more without its line, which must fail. The
-    torch.compile block (minutes of inductor on a cold CPU) runs in tests/test_docs.py; here its imports
-    are checked to be make demo's."""
+    """Each block of README and docs/guide.md in a process where what make demo's .venv lacks cannot be
+    imported, but for what the block's first line names; the TensorBoard block once more without its line,
+    which must fail. The torch.compile block (minutes of inductor on a cold CPU) runs in tests/test_docs.py;
+    here its imports are checked to be make demo's."""
     blocks = python_blocks()
     (compiled,) = [i for i, b in enumerate(blocks) if "@torch.compile" in b]
     assert set(re.findall(r"(?m)^(?:from|import) (\w+)", blocks[compiled])) <= {"torch", "gradscaler"}
