@@ -232,6 +232,6 @@ def test_update_with_the_scale_held_on_the_host_matches_the_clamped_update(found
         s, tracker = torch.tensor(scale), torch.zeros((), dtype=torch.int32)
         hysteresis = torch.ones((), dtype=torch.int32)
         s.clamp_(policy.lower, policy.upper)
-        update_scale_(s, tracker, hysteresis, torch.tensor(found), policy, s.item() if held else None)
+        update_scale_(s, tracker, hysteresis, torch.tensor(found), policy, (s.item(), s.item()) if held else None)
         results.append(s.item())
     assert results[0] == results[1]
