@@ -333,22 +333,31 @@ def test_every_module_imports_first() -> None:
     """Each module of the package imports in a process where nothing of gradscaler is loaded yet (a
     private module a test or a tool imports first, ``from gradscaler import grads`` inside it included):
     the lazy face must not load the public names while one of their modules is half-initialised."""
-    import subprocess
-    import sys
-
     modules = sorted(dotted_name(path, SRC) for path in SRC.rglob("*.py") if path.name != "__main__.py")
     script = (
         "import importlib, sys\n"
         "failed = []\n"
-        f"for name in {modules!r}:\n"
-        "    for loaded in [m for m in sys.modules if m == 'gradscaler' or m.startswith('gradscaler.')]:\n"
-        "        del sys.modules[loaded]\n"
-        "    try:\n"
+        f"for name in {modules!r}:\n" + FORGET_PACKAGE + "    try:\n"
         "        importlib.import_module(name)\n"
         "    except Exception as error:\n"
         "        failed.append(f'{name}: {type(error).__name__}: {error}')\n"
-        "print('\\n'.join(failed))\n"
     )
+    assert_prints_no_failure(script)
+
+
+FORGET_PACKAGE = (
+    "    for loaded in [m for m in sys.modules if m == 'gradscaler' or m.startswith('gradscaler.')]:\n"
+    "        del sys.modules[loaded]\n"
+)
+"""A loop body's first lines in the scripts below: the package imported afresh (torch stays loaded)."""
+
+
+def assert_prints_no_failure(script: str) -> None:
+    """Run ``script`` (which fills a list ``failed``) in a new interpreter; it must print none."""
+    import subprocess
+    import sys
+
+    script += "print('\\n'.join(failed))\n"
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "", result.stdout
@@ -369,9 +378,6 @@ def test_every_documented_spelling_works_whichever_is_used_first() -> None:
     """The lazy face loads on the first public name touched; each spelling the docs show must work
     before and after that, in any order (``gradscaler.frameworks.log_scale`` once failed after
     ``gradscaler.patch_torch``). Each order runs in a package imported afresh (torch stays loaded)."""
-    import subprocess
-    import sys
-
     spellings = documented_spellings()
     assert {"gradscaler.patch_torch", "gradscaler.frameworks.log_scale", "gradscaler.tools.demo"} <= set(spellings)
     orders = [[first] + [s for s in spellings if s != first] for first in spellings]
@@ -379,18 +385,12 @@ def test_every_documented_spelling_works_whichever_is_used_first() -> None:
     script = (
         "import functools, importlib, sys\n"
         "failed = []\n"
-        f"for order in {orders!r}:\n"
-        "    for loaded in [m for m in sys.modules if m == 'gradscaler' or m.startswith('gradscaler.')]:\n"
-        "        del sys.modules[loaded]\n"
-        "    package = importlib.import_module('gradscaler')\n"
+        f"for order in {orders!r}:\n" + FORGET_PACKAGE + "    package = importlib.import_module('gradscaler')\n"
         "    for spelling in order:\n"
         "        try:\n"
         "            functools.reduce(getattr, spelling.split('.')[1:], package)\n"
         "        except AttributeError as error:\n"
         "            failed.append(f'{spelling} after {order[: order.index(spelling)]}: {error}')\n"
         "            break\n"
-        "print('\\n'.join(failed))\n"
     )
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "", result.stdout
+    assert_prints_no_failure(script)
