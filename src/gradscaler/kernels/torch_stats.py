@@ -276,6 +276,15 @@ def _cpu(grads: list[torch.Tensor], norm_type: float | None, inv_scale: torch.Te
     return GradStats(nonfinite, moved(norms, norms.device, norm_dtype(grads[0].dtype)))
 
 
+def _nonfinite(values: torch.Tensor, summable: bool) -> torch.Tensor:
+    """0-d float32, 1.0 when any of ``values`` is inf or NaN. ``summable``: no sum of finite ones overflows
+    (float64 norms of narrower values): then their sum times 0 is 0 exactly when all are finite (three ops);
+    else each value is checked."""
+    if summable:
+        return values.sum().mul_(0).ne_(0).float()
+    return torch.isfinite(values).logical_not_().any().float()
+
+
 def _generic(grads: list[torch.Tensor], norm_type: float | None, inv_scale: torch.Tensor | None) -> GradStats:
     """Any device, no host sync and no host-built index tensors (runs inside CUDA-graph captures)."""
     device = grads[0].device
@@ -293,12 +302,23 @@ def _generic(grads: list[torch.Tensor], norm_type: float | None, inv_scale: torc
     if not present:
         zeros = torch.zeros(len(grads), dtype=out, device=device)
         return GradStats(torch.zeros((), dtype=torch.float32, device=device), None if norm_type is None else zeros)
-    # The inf-norm propagates NaN (as vector_norm does): exact for the flag on its own.
-    peaks = per_tensor(torch._foreach_norm(present, math.inf))
-    nonfinite = torch.isfinite(peaks).logical_not_().any().float()
-    if norm_type is None:
-        return GradStats(nonfinite, None)
-    norms = peaks if math.isinf(norm_type) else per_tensor(torch._foreach_norm(present, norm_type, dtype=acc))
+    # In float64, a 1- or 2-norm of float32/16 values (or their largest magnitude) is finite exactly when
+    # the values are, and so is the sum of such norms: the flag comes from the norms the pass computes
+    # anyway, in three small ops. float64 gradients (and MPS, without float64) check each value instead.
+    wide = acc == torch.float64 and grads[0].dtype != torch.float64
+    if norm_type is None or math.isinf(norm_type) or not 1 <= norm_type <= 2 or not wide:
+        # The inf-norm propagates NaN (as vector_norm does): exact for the flag on its own.
+        check = 1.0 if norm_type is None and wide else math.inf
+        peaks = per_tensor(torch._foreach_norm(present, check, dtype=acc if check == 1.0 else None))
+        nonfinite = _nonfinite(peaks, wide)
+        if norm_type is None:
+            return GradStats(nonfinite, None)
+    if norm_type is not None and math.isinf(norm_type):
+        norms = peaks
+    else:
+        norms = per_tensor(torch._foreach_norm(present, norm_type, dtype=acc))
+        if wide and 1 <= norm_type <= 2:
+            nonfinite = _nonfinite(norms, True)
     if inv_scale is not None:
         norms = norms * inv_scale.to(device=device, dtype=acc)
     return GradStats(nonfinite, norms.to(out))
