@@ -124,7 +124,6 @@ _MASTER_VARIANTS: dict[tuple[type, bool], type] = {
     for cls in (GradScaler, CudaAmpGradScaler, CpuAmpGradScaler)
     for accumulate in (False, True)
 }
-_accumulating = False  # the installed patch's accumulate_grads_in_fp32
 
 
 def _rebuild_torch_scaler(module_name: str, name: str, state: dict[str, Any]) -> Any:
@@ -206,17 +205,17 @@ def patch_torch(*, master_weights: bool = False, accumulate_grads_in_fp32: bool 
     ``accumulate_grads_in_fp32=True`` (with ``master_weights=True``): they also default to
     ``accumulate_grads_in_fp32=True`` (gradients summed in float32 across micro-batches; ``GradScaler``).
     """
-    global _originals, _accumulating
+    global _originals
     if accumulate_grads_in_fp32 and not master_weights:
         raise ValueError(masters.WITHOUT_MASTERS_MESSAGE.replace("GradScaler(", "patch_torch(", 1))
     with _lock:
         if _originals is not None:
-            patched = ("torch.nn.utils", "clip_grad_norm_") in _originals
-            if (patched, _accumulating) != (master_weights, accumulate_grads_in_fp32):
+            patched, accumulating = masters.DEFAULTS  # the installed patch's arguments
+            if (patched, accumulating) != (master_weights, accumulate_grads_in_fp32):
                 raise ValueError(
                     "Call gradscaler.unpatch_torch() first. patch_torch(master_weights="
                     f"{master_weights}, accumulate_grads_in_fp32={accumulate_grads_in_fp32}): torch is already "
-                    f"patched with master_weights={patched}, accumulate_grads_in_fp32={_accumulating}."
+                    f"patched with master_weights={patched}, accumulate_grads_in_fp32={accumulating}."
                 )
             return TorchPatch(None)
         for name in _SUBCLASSING_MODULES:
@@ -240,8 +239,7 @@ def patch_torch(*, master_weights: bool = False, accumulate_grads_in_fp32: bool 
                 copyreg.pickle(originals[(module_name, attr)], _reduce_torch_scaler)
             _installed[(module_name, attr)] = replacement
         _originals = originals
-        _accumulating = accumulate_grads_in_fp32
-        masters.DEFAULTS[:] = [master_weights, accumulate_grads_in_fp32]  # our own name builds the same
+        masters.DEFAULTS[:] = [master_weights, accumulate_grads_in_fp32]  # every scaler built now takes them
         return TorchPatch(originals)
 
 

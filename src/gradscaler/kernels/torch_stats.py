@@ -304,21 +304,22 @@ def _generic(grads: list[torch.Tensor], norm_type: float | None, inv_scale: torc
         return GradStats(torch.zeros((), dtype=torch.float32, device=device), None if norm_type is None else zeros)
     # In float64, a 1- or 2-norm of float32/16 values (or their largest magnitude) is finite exactly when
     # the values are, and so is the sum of such norms: the flag comes from the norms the pass computes
-    # anyway, in three small ops. float64 gradients (and MPS, without float64) check each value instead.
+    # anyway, in three small ops. float64 gradients (and MPS, without float64) check each value instead;
+    # the inf-norm propagates NaN (as vector_norm does), so it is exact for the flag on its own.
     wide = acc == torch.float64 and grads[0].dtype != torch.float64
-    if norm_type is None or math.isinf(norm_type) or not 1 <= norm_type <= 2 or not wide:
-        # The inf-norm propagates NaN (as vector_norm does): exact for the flag on its own.
-        check = 1.0 if norm_type is None and wide else math.inf
-        peaks = per_tensor(torch._foreach_norm(present, check, dtype=acc if check == 1.0 else None))
-        nonfinite = _nonfinite(peaks, wide)
-        if norm_type is None:
-            return GradStats(nonfinite, None)
-    if norm_type is not None and math.isinf(norm_type):
-        norms = peaks
+    if norm_type is None:  # a check alone: a float64 1-norm where it is exact, else the inf-norm
+        check = per_tensor(
+            torch._foreach_norm(present, 1.0, dtype=acc) if wide else torch._foreach_norm(present, math.inf)
+        )
+        return GradStats(_nonfinite(check, wide), None)
+    if math.isinf(norm_type):
+        norms = per_tensor(torch._foreach_norm(present, math.inf))
+        nonfinite = _nonfinite(norms, wide)
     else:
         norms = per_tensor(torch._foreach_norm(present, norm_type, dtype=acc))
-        if wide and 1 <= norm_type <= 2:
-            nonfinite = _nonfinite(norms, True)
+        exact = wide and 1 <= norm_type <= 2  # else a p-norm may overflow where no value does
+        peaks = norms if exact else per_tensor(torch._foreach_norm(present, math.inf))
+        nonfinite = _nonfinite(peaks, wide)
     if inv_scale is not None:
         norms = norms * inv_scale.to(device=device, dtype=acc)
     return GradStats(nonfinite, norms.to(out))

@@ -346,13 +346,13 @@ class MasterWeights:
 
     def finish(self, optimizer: torch.optim.Optimizer, stepped: bool, skipped: torch.Tensor | None = None) -> None:
         """End ``optimizer``'s iteration at its step: copy the masters into the parameters if the step was
-        applied (a skipped step writes nothing); ``skipped``: a fused step's device flag (``Pair.copy_back``)."""
+        applied (a skipped step writes nothing); ``skipped``: a fused step's device flag (``Binding.copy_back``)."""
         binding = self._bindings.get(optimizer)
         if binding is None:
             return
         if stepped and binding.moved:
             with torch.no_grad():
-                Pair.copy_back_all(binding.pairs, skipped)
+                binding.copy_back(skipped)
         _end(binding)
 
     def end(self, optimizer: torch.optim.Optimizer) -> None:

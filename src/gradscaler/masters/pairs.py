@@ -92,22 +92,6 @@ class Pair:
             self.low.copy_(torch.where(flag, self.low, self.master))
         self.seen()
 
-    @staticmethod
-    def copy_back_all(pairs: list[Pair], skipped: torch.Tensor | None) -> None:
-        """``copy_back`` for each of ``pairs``; plain tensors that simply take their masters' values in one
-        multi-tensor copy (one launch per device and dtype, not one per parameter). DTensors, which have
-        no multi-tensor copy, and the rest one by one."""
-        plain = [p for p in pairs if (skipped is None or p.exact) and _storage(p.low) is not None]
-        if plain:
-            torch._foreach_copy_([pair.low for pair in plain], [pair.master for pair in plain])  # type: ignore[misc]
-            for pair in plain:
-                pair.exact = True
-                pair.seen()
-        copied = {id(pair) for pair in plain}
-        for pair in pairs:
-            if id(pair) not in copied:
-                pair.copy_back(skipped)
-
     def _kept(self) -> torch.Tensor:
         """Where the parameter is a rounding of its master. Written in place (its storage and dtype as when last
         seen): the master rounded to that dtype. Given a new storage (a change of dtype, ``p.data = t``): the
@@ -150,6 +134,21 @@ class Binding:
 
     def lows(self) -> list[torch.Tensor]:
         return [pair.low for pair in self.pairs]
+
+    def copy_back(self, skipped: torch.Tensor | None) -> None:
+        """``Pair.copy_back`` for every pair; the plain tensors that simply take their masters' values in one
+        multi-tensor copy (one launch per device and dtype, not one per parameter). DTensors, which have
+        no multi-tensor copy, and parameters a fused skip may keep, one by one."""
+        plain = [p for p in self.pairs if (skipped is None or p.exact) and _storage(p.low) is not None]
+        if plain:
+            torch._foreach_copy_([pair.low for pair in plain], [pair.master for pair in plain])  # type: ignore[misc]
+            for pair in plain:
+                pair.exact = True
+                pair.seen()
+        copied = {id(pair) for pair in plain}
+        for pair in self.pairs:
+            if id(pair) not in copied:
+                pair.copy_back(skipped)
 
     def restore(self, param: torch.Tensor, value: torch.Tensor) -> bool:
         """A saved master ``value`` loaded for the optimizer's parameter ``param``: taken if ``param`` is one

@@ -104,7 +104,7 @@ class Telemetry:
     ``landed(wait=True)`` wait for every record.
 
     Under CUDA-graph capture the captured update writes its flag and scale into a device ring instead
-    (three ops, replayed with the graph, ``RING`` records between two reads); reads account its rows
+    (three ops, replayed with the graph; ``history`` records between two reads); reads account its rows
     after the records made before the capture.
     """
 
