@@ -349,14 +349,14 @@ FIXES = ("Build", "Call", "Enable", "Keep", "Leave", "Pass", "Register", "Save",
 @pytest.mark.parametrize(
     "message",
     [
-        "accumulate.WITHOUT_MASTERS_MESSAGE",
-        "accumulate.SPARSE_MESSAGE",
-        "accumulate.CREATE_GRAPH_MESSAGE",
-        "accumulate.WRITTEN_MESSAGE",
-        "accumulate.DDP_MESSAGE",
-        "accumulate.FSDP2_MESSAGE",
-        "accumulate.SWAPPED_MESSAGE",
-        "accumulate.LATER_HOOK_MESSAGE",
+        "checks.WITHOUT_MASTERS_MESSAGE",
+        "checks.SPARSE_MESSAGE",
+        "checks.CREATE_GRAPH_MESSAGE",
+        "checks.WRITTEN_MESSAGE",
+        "checks.DDP_MESSAGE",
+        "checks.FSDP2_MESSAGE",
+        "checks.SWAPPED_MESSAGE",
+        "checks.LATER_HOOK_MESSAGE",
         "ddp.NOT_DDP_MESSAGE",
         "ddp.NOT_ACCUMULATING_MESSAGE",
         "checkpoint.DCP_MESSAGE",
@@ -769,7 +769,7 @@ def test_graph_leaves_finds_every_parameter_when_node_objects_are_made_fresh() -
     """On torch 2.11 (the CUDA image of the lent GPU machines) the first iteration's gradients were summed
     by autograd in bfloat16: graph_leaves marked nodes seen by id(), a freed node's id came back on
     another node, and that node (with the parameters below it) was skipped."""
-    from gradscaler.masters.accumulate import graph_leaves
+    from gradscaler.masters.graph import graph_leaves
 
     params = [nn.Parameter(torch.zeros(2, dtype=torch.bfloat16)) for _ in range(6)]
     chain: Any = [params[0]]

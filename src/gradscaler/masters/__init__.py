@@ -4,12 +4,16 @@ The package, lowest first; a file imports only files above it in this list (test
 
 - ``checks``: which parameters get a master (``needs_master``, ``trained``, ``stands_in``) and every
   refusal with its message (meta or sparse parameters, one held twice or by two optimizers, an inner
-  optimizer, a gradient written after the move, a disabled scaler).
+  optimizer, a gradient written after the move, a disabled scaler, the float32 sums' refusals and warnings).
 - ``ddp``: ``scaler.register_ddp(ddp_model)``: the parameters DDP reduces and its process group; at the
   move, DDP's reduced low-precision gradient dropped and the float32 sums averaged across the group.
 - ``checkpoint``: the optimizer's state-dict hooks and which saved master or state a binding or a load
   takes (``claims``, ``master_of``, ``state_for_master``, ``continues`` and its ``ContinuedWarning``);
   the refusal of torch's distributed-checkpoint helpers.
+- ``graph``: the float16/bfloat16 parameters a scaled loss's graph reaches, those a reentrant activation
+  checkpoint hides included (hooked by the float32 sums before any optimizer is bound).
+- ``moved``: ``Moved``, what one move of gradients into the masters found (flags, norms, the masters'
+  gradients), and which gradients its one pass takes.
 - ``pairs``: ``Pair`` (one low-precision parameter and its master) and ``Binding`` (an optimizer's pairs).
 - ``wrappers``: what reaches the masters through the user's objects: ``unwrap`` of Accelerate's and
   Lightning's wrappers, ``clip_grad_norm_`` routed through the masters, ``zero_grad`` and
@@ -26,8 +30,8 @@ gradients) and
 scaler's ``master_weights`` and ``accumulate_grads_in_fp32`` ask for).
 """
 
-from gradscaler.masters.accumulate import WITHOUT_MASTERS_MESSAGE
 from gradscaler.masters.checkpoint import SAVED_KEY, ContinuedWarning
+from gradscaler.masters.checks import WITHOUT_MASTERS_MESSAGE
 from gradscaler.masters.lifecycle import MasterWeights, Moved, NoMasters
 from gradscaler.masters.wrappers import (
     ROUTED_CLIPPING,

@@ -30,10 +30,8 @@ reduce-scatters each backward's gradient itself: its ``reduce_dtype`` is the set
 
 from __future__ import annotations
 
-import functools
 import itertools
 import operator
-import types
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -43,113 +41,26 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from gradscaler import compiled
 from gradscaler.errors import warn
-from gradscaler.masters.checks import LOW_PRECISION, low_params
+from gradscaler.masters.checks import (
+    BOUND_CLIPPING_MESSAGE,
+    CREATE_GRAPH_MESSAGE,
+    DDP_MESSAGE,
+    FSDP2_MESSAGE,
+    HIDDEN_MESSAGE,
+    LATE_MESSAGE,
+    LATER_HOOK_MESSAGE,
+    LOW_PRECISION,
+    SPARSE_MESSAGE,
+    SWAPPED_MESSAGE,
+    WRITTEN_MESSAGE,
+    low_params,
+)
 from gradscaler.masters.ddp import DataParallel
+from gradscaler.masters.graph import graph_leaves
 from gradscaler.masters.pairs import Binding
 from gradscaler.masters.wrappers import bound_clipping, route
 
 ARGUMENT = "accumulate_grads_in_fp32"
-
-WITHOUT_MASTERS_MESSAGE = (
-    "Pass master_weights=True too (float16/bfloat16 parameters), or leave accumulate_grads_in_fp32 out (a "
-    "float32 model under torch.autocast accumulates its gradients in float32 already). "
-    "GradScaler(accumulate_grads_in_fp32=True) needs master_weights=True: the float32 sums are the "
-    "gradients of the float32 masters."
-)
-
-SPARSE_MESSAGE = (
-    "Build the layer with sparse=False (nn.Embedding(..., sparse=False)), keep it in float32, or leave "
-    "accumulate_grads_in_fp32 out. With accumulate_grads_in_fp32=True the gradient of a parameter of "
-    "shape {shape} ({dtype}) is sparse ({layout}): its micro-batches cannot be summed into a dense "
-    "float32 gradient. Nothing was added for this backward."
-)
-
-CREATE_GRAPH_MESSAGE = (
-    "Take the penalty's gradient with torch.autograd.grad(..., create_graph=True) and call backward() "
-    "without create_graph, or leave accumulate_grads_in_fp32 out. With accumulate_grads_in_fp32=True the "
-    "gradient of a parameter of shape {shape} ({dtype}) requires grad (a backward with create_graph=True, "
-    "for a double backward such as a gradient penalty), and the float32 sum would cut it from its graph. "
-    "Nothing was added for this backward."
-)
-
-WRITTEN_MESSAGE = (
-    "Write into the master's gradient instead of p.grad (scaler.master_weights(optimizer) gives the "
-    "(parameter, master) pairs), or leave accumulate_grads_in_fp32 out. {name} holds a .grad that "
-    "autograd's accumulation did not leave there: with accumulate_grads_in_fp32=True each backward's "
-    "gradient goes into the float32 sum (the master's .grad) and p.grad is set to None, so a gradient "
-    "written into p.grad by hand, or after scaler.unscale_(optimizer), would be lost: the optimizer steps "
-    "the master."
-)
-
-FSDP2_MESSAGE = (
-    "Keep the parameters in float32 and let FSDP2 compute in bfloat16/float16, fully_shard(module, "
-    "mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)), whose "
-    "sharded float32 gradients accumulate in float32 across micro-batches; or leave "
-    "accumulate_grads_in_fp32 out. accumulate_grads_in_fp32=True cannot apply under FSDP2 (fully_shard): "
-    "FSDP2 reduce-scatters each backward's gradient itself, in its reduce_dtype, and keeps the sharded "
-    "gradient; a float32 sum per micro-batch would take the gradient before FSDP2 sees it. The scaler's "
-    "hooks are removed and no master was built."
-)
-
-DDP_MESSAGE = (
-    "Call scaler.register_ddp(ddp_model) once, after wrapping the model in DistributedDataParallel: the "
-    "scaler then averages the float32 sums across DDP's ranks itself. {name} holds a .grad that "
-    "autograd's accumulation did not leave there, DDP's reduced gradient: with "
-    "accumulate_grads_in_fp32=True each backward's gradient goes into the float32 sum (the master's "
-    ".grad) and p.grad is set to None, so DDP's gradient in p.grad would be lost: the optimizer steps the "
-    "master."
-)
-
-SWAPPED_MESSAGE = (
-    "Turn torch's swap-tensors future on for the whole run "
-    "(torch.__future__.set_swap_module_params_on_conversion(True) before training), not around the "
-    "conversion only. With accumulate_grads_in_fp32=True, {name} was swapped (torch.utils.swap_tensors: a "
-    "dtype or device change under that future, or of a tensor-subclass parameter) after the scaler hooked "
-    "it, and the future was off at the next scaler.scale(loss), where the scaler hooks swapped parameters "
-    "again: its micro-batches were summed by autograd in {dtype}. Nothing was stepped; the parameter is "
-    "hooked again for the next backward."
-)
-
-LATER_HOOK_MESSAGE = (
-    "Register the post-accumulate-grad hook of {name} before the scaler first meets the parameter (before "
-    "the first scaler.scale(loss)), or use param.register_hook(fn), which sees each backward's gradient. "
-    "That hook was registered after the scaler's own, which with accumulate_grads_in_fp32=True moves each "
-    "backward's gradient into the float32 sum and sets p.grad = None: the hook saw p.grad None."
-)
-
-
-LATE_MESSAGE = (
-    "accumulate_grads_in_fp32=True: {count} low-precision parameter(s) of optimizer {optimizer} met the "
-    "scaler only at this step, after its first iteration (a model or optimizer new to a scaler that has "
-    "trained already, or an optimizer first stepped later, such as a critic stepped every few iterations): "
-    "this iteration's micro-batches were summed by autograd in float16/bfloat16, as without the argument; "
-    "from the next iteration on they are summed in float32. For float32 from the start, give a new model a "
-    "new scaler (scaler.state_dict() carries the scale over), or call scaler.step on every optimizer in the "
-    "first iteration."
-)
-
-HIDDEN_MESSAGE = (
-    "accumulate_grads_in_fp32=True: {count} low-precision parameter(s) of optimizer {optimizer} got "
-    "gradients in the first iteration that the scaler did not find in the graphs of scaler.scale(loss), "
-    "where it looks for the parameters to hook before the first step: their micro-batches were summed by "
-    "autograd in float16/bfloat16, as without the argument; from the next iteration on they are summed in "
-    "float32. A custom autograd Function that uses a parameter it does not take as an input hides it, so does "
-    "a backward of a graph that did not come from scaler.scale (a pipeline stage's "
-    "torch.autograd.backward(outputs, grads)), and so does a reentrant activation checkpoint "
-    "(torch.utils.checkpoint with use_reentrant=True, the default when the argument is left out) whose "
-    "function the scaler cannot see into (it looks into modules, their methods, functools.partial, closures "
-    "and default arguments). Use torch.utils.checkpoint(..., use_reentrant=False), "
-    "or pass the module itself as the checkpointed function."
-)
-
-BOUND_CLIPPING_MESSAGE = (
-    "accumulate_grads_in_fp32=True: module {module} holds torch's own {function} as {name} (imported by name "
-    "before the scaler's first step). The scaler routes torch.nn.utils.{function} to the masters, not that "
-    "name: called over the model's parameters it finds p.grad None for every float16/bfloat16 parameter "
-    "(their gradients are the masters' float32 sums) and clips nothing, silently. Call it through the module, "
-    "torch.nn.utils.{function}(model.parameters(), ...), or use scaler.clip_grad_norm_(optimizer, max_norm)."
-)
-
 
 # The key of the token a hooked parameter carries in its ``__dict__``: torch's ``swap_tensors`` swaps the
 # ``__dict__`` with the new tensor's (empty), so a parameter without its Sum's token was swapped. Its
@@ -286,80 +197,6 @@ def _fits(out: torch.Tensor, grad: torch.Tensor) -> bool:
         and out.device == grad.device
         and out.is_contiguous()
     )
-
-
-def graph_leaves(output: torch.Tensor) -> list[torch.Tensor]:
-    """The float16/bfloat16 ``nn.Parameter``s whose gradients a backward of ``output`` accumulates: the
-    ``AccumulateGrad`` nodes of its graph, and the parameters a reentrant checkpoint's node hides
-    (``checkpointed``; with the parameters of everything its function reaches, some maybe twice)."""
-    found: list[torch.Tensor] = []
-    stack = [output.grad_fn]
-    # Each node seen is held here: torch (2.11 and older) makes a new Python object for a node at each
-    # access and frees it after, so a bare id() set would meet a freed node's id again on another node
-    # and skip it (and every parameter below it).
-    seen: dict[int, Any] = {}
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen[id(node)] = node
-        variable = getattr(node, "variable", None)
-        if variable is not None:
-            if isinstance(variable, torch.nn.Parameter) and variable.dtype in LOW_PRECISION:
-                found.append(variable)
-            continue
-        function = getattr(node, "run_function", None)
-        if function is not None:  # and its other arguments (torch keeps them as ``inputs``, tensors as None)
-            found.extend(checkpointed((function, getattr(node, "inputs", None)), depth=5))
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return found
-
-
-_WIDEST = 4096  # items of a list or tuple that ``checkpointed`` looks at
-
-
-def checkpointed(function: Any, depth: int = 4) -> list[torch.Tensor]:
-    """The float16/bfloat16 parameters that require grad among those ``function`` reaches: the
-    ``run_function`` of a reentrant activation checkpoint (``torch.utils.checkpoint(use_reentrant=True)``,
-    ``checkpoint_sequential``, DeepSpeed's and Megatron-LM's), which runs under ``no_grad`` in the forward,
-    so the checkpoint's graph node takes the parameters' gradients without showing their ``AccumulateGrad``
-    nodes. Looked into, ``depth`` levels down: modules (all their parameters), bound methods, a
-    ``functools.partial``'s function and arguments, a function's closure and default arguments, lists and
-    tuples (the checkpoint's arguments other than tensors among them, such as a block passed to a function
-    that runs it; their first ``_WIDEST`` items: a closure over a long list of numbers costs nothing). Not a
-    function's globals (a module-level function using a global model: the binding warns instead)."""
-    params: dict[int, torch.Tensor] = {}
-    seen: dict[int, Any] = {}  # held, so that no id is met again on another object
-    level = [function]
-    for _ in range(depth):
-        below: list[Any] = []
-        for item in level:
-            if id(item) in seen:
-                continue
-            seen[id(item)] = item
-            if isinstance(item, torch.nn.Module):
-                params.update((id(p), p) for p in item.parameters())
-            elif isinstance(item, torch.nn.Parameter):
-                params[id(item)] = item
-            elif isinstance(item, types.MethodType):
-                below += (item.__self__, item.__func__)
-            elif isinstance(item, functools.partial):
-                below += (item.func, *item.args, *item.keywords.values())
-            elif isinstance(item, types.FunctionType):
-                below += (cell.cell_contents for cell in item.__closure__ or () if _filled(cell))
-                below += (*(item.__defaults__ or ()), *(item.__kwdefaults__ or {}).values())
-            elif isinstance(item, (list, tuple)):
-                below += item[:_WIDEST]
-        level = below
-    return [p for p in params.values() if p.dtype in LOW_PRECISION and p.requires_grad]
-
-
-def _filled(cell: types.CellType) -> bool:
-    try:
-        cell.cell_contents  # noqa: B018 (an empty cell raises)
-    except ValueError:
-        return False
-    return True
 
 
 class Accumulation:

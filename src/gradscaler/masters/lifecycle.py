@@ -37,18 +37,16 @@ from __future__ import annotations
 
 import functools
 import weakref
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from gradscaler import grads
-from gradscaler.kernels import GradStats, grad_stats, move_grads_, moved
+from gradscaler.kernels import move_grads_
 from gradscaler.masters import checkpoint
 from gradscaler.masters.accumulate import Accumulation
 from gradscaler.masters.checkpoint import SAVED_KEY
 from gradscaler.masters.checks import (
-    LOW_PRECISION,
     PARAM_ATTR,
     WRITTEN_LOW_GRADS_MESSAGE,
     check_inner_optimizers,
@@ -61,76 +59,9 @@ from gradscaler.masters.checks import (
     trained,
 )
 from gradscaler.masters.ddp import NOT_ACCUMULATING_MESSAGE
+from gradscaler.masters.moved import NOTHING, Moved, copied_stats, dense, movable
 from gradscaler.masters.pairs import Binding, Pair
 from gradscaler.masters.wrappers import AddParamGroupChecked, ZeroGradBoth, route, route_clipping, unroute, unwrap
-
-
-@dataclass
-class Moved:
-    """What one ``move`` pass found, per device: the non-finite flag of the gradients it moved, their
-    per-tensor norms (when asked) with the masters they belong to in the same order, and the masters'
-    new gradients (checkable views, by device and dtype) for a later multiply."""
-
-    flags: dict[torch.device, torch.Tensor]
-    norms: dict[torch.device, torch.Tensor]
-    owners: dict[torch.device, list[torch.Tensor]]
-    master_grads: grads.GradGroups
-
-    def add(self, owners: list[torch.Tensor], moved: list[torch.Tensor], stats: GradStats) -> None:
-        """Fold in one batch: the ``moved`` gradients of ``owners`` (one device) and their pass's stats."""
-        device = moved[0].device
-        flag = self.flags.get(device)
-        self.flags[device] = stats.nonfinite if flag is None else grads.combine_flags([flag, stats.nonfinite])
-        self.master_grads[device][torch.float32].extend(moved)
-        if stats.norms is not None:
-            before = self.norms.get(device)
-            self.norms[device] = stats.norms if before is None else torch.cat([before, stats.norms])
-        self.owners.setdefault(device, []).extend(owners)
-
-    def after(
-        self, norms: dict[torch.device, torch.Tensor], owners: grads.Owners, order: list[torch.Tensor]
-    ) -> tuple[dict[torch.device, torch.Tensor], grads.Owners]:
-        """Another pass's per-device norms and their owners joined with this pass's, each device's in
-        the order of ``order`` (the optimizer's parameters), as clipping the masters by hand sums them."""
-        joined_norms, joined_owners = dict(norms), dict(owners)
-        position = {id(p): i for i, p in enumerate(order)} if self.norms else {}
-        for device, mine in self.norms.items():
-            before = joined_norms.get(device)
-            joined_norms[device] = mine if before is None else torch.cat([before, mine])
-            joined_owners[device] = joined_owners.get(device, []) + self.owners[device]
-            places = [position[id(p)] for p in joined_owners[device]]
-            if places != sorted(places):
-                permutation = sorted(range(len(places)), key=places.__getitem__)
-                index = torch.tensor(permutation).to(device, non_blocking=True)
-                joined_norms[device] = joined_norms[device].index_select(0, index)
-                joined_owners[device] = [joined_owners[device][i] for i in permutation]
-        return joined_norms, joined_owners
-
-    def rest(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
-        """``params`` without the masters whose gradients this pass moved and checked."""
-        if not self.owners:
-            return params
-        covered = {id(m) for owners in self.owners.values() for m in owners}
-        return [p for p in params if id(p) not in covered]
-
-
-NOTHING = Moved({}, {}, {}, {})
-"""What ``move`` returns when there is nothing to move: no masters, or moved earlier this iteration."""
-
-
-def _copied_stats(
-    view: torch.Tensor, factor: torch.Tensor | None, norm_type: float | None, norm_inv: torch.Tensor | None
-) -> GradStats:
-    """The flag (and norm) of a copied master gradient (``view``: its checkable values), read before
-    ``factor`` multiplies it in place (torch's check-and-unscale, whose flag serves when no norm is asked)."""
-    stats = grad_stats([view], norm_type, norm_inv) if norm_type is not None or factor is None else None
-    if factor is not None:
-        flag = torch.zeros((), dtype=torch.float32, device=view.device)
-        torch._amp_foreach_non_finite_check_and_unscale_([view], flag, moved(factor, view.device, torch.float32))
-        if stats is None:
-            return GradStats(flag, None)
-    assert stats is not None  # asked for above whenever no factor gives the flag
-    return stats
 
 
 def _end(binding: Binding) -> None:
@@ -140,22 +71,11 @@ def _end(binding: Binding) -> None:
         unroute(pair.low)
 
 
-def _dense(grad: torch.Tensor) -> bool:
-    """Whether ``kernels.move_grads_`` takes ``grad`` (a plain contiguous tensor)."""
-    return type(grad) is torch.Tensor and grad.layout is torch.strided and grad.is_contiguous()
-
-
-def _movable(grad: torch.Tensor) -> bool:
-    """Whether the move's one pass takes ``grad``: dense, and float16 or bfloat16 (after ``model.float()``
-    a bound parameter's gradient is float32, copied as it is)."""
-    return _dense(grad) and grad.dtype in LOW_PRECISION
-
-
 def _one_pass(optimizer: torch.optim.Optimizer, binding: Binding, moving: list[tuple[Pair, torch.Tensor]]) -> bool:
     """Whether the move's norms are those of one pass over every gradient of ``optimizer``: all moved
     gradients dense and of one device and dtype, and no other parameter of ``optimizer`` has one."""
     kinds = {(grad.device, grad.dtype) for _, grad in moving}
-    if len(kinds) > 1 or not all(_movable(grad) for _, grad in moving):
+    if len(kinds) > 1 or not all(movable(grad) for _, grad in moving):
         return False
     return all(p.grad is None for p in grads.iter_params(optimizer) if id(p) not in binding.by_master)
 
@@ -288,7 +208,7 @@ class MasterWeights:
         batches: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], ...]] = {}
         for pair, grad in moving:
             master = pair.master
-            if _movable(grad):
+            if movable(grad):
                 out = master.grad
                 if out is None or type(out) is not torch.Tensor or not out.is_contiguous():
                     out = master.grad = torch.empty(grad.shape, dtype=torch.float32, device=grad.device)
@@ -299,8 +219,8 @@ class MasterWeights:
             else:
                 master.grad = grad.to(torch.float32, copy=True)
                 view = grads.checkable_view(master.grad)
-                result.add([master], [view], _copied_stats(view, factor, norm_type, norm_inv))
-            if keep and _dense(grad):
+                result.add([master], [view], copied_stats(view, factor, norm_type, norm_inv))
+            if keep and dense(grad):
                 pair.kept = grad
             else:
                 pair.low.grad = None
