@@ -55,7 +55,8 @@ INSIDE: dict[str, dict[str, int]] = {
         "wrappers": 2,
         "accumulate": 3,
         "lifecycle": 4,
-        "__init__": 5,
+        "standalone": 5,
+        "__init__": 6,
     },
     "record": {
         "logfile": 0,

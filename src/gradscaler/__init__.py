@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # what type checkers and readers see; ``_FACE`` says the same to ``__getattr__``
     from gradscaler.drop_in import is_torch_patched, patch_torch, unpatch_torch
     from gradscaler.errors import ScaleCollapseError, ScaleCollapseWarning
+    from gradscaler.masters.standalone import with_master_weights
     from gradscaler.record.monitor import JsonLinesLogger, TensorBoardLogger
     from gradscaler.record.reporting import report
     from gradscaler.scaler import GradScaler, OptState
@@ -33,6 +34,7 @@ _FACE = {
     "patch_torch": "gradscaler.drop_in",
     "report": "gradscaler.record.reporting",
     "unpatch_torch": "gradscaler.drop_in",
+    "with_master_weights": "gradscaler.masters.standalone",
 }
 """Each public name and the module that defines it (tests/test_layers.py holds it equal to the block above)."""
 
@@ -47,6 +49,7 @@ __all__ = [
     "patch_torch",
     "report",
     "unpatch_torch",
+    "with_master_weights",
 ]
 
 

@@ -23,6 +23,8 @@ The package, lowest first; a file imports only files above it in this list (test
   gradient once bound.
 - ``lifecycle``: ``MasterWeights``, which the scaler owns and calls at the iteration's fixed points
   (bind, move, copy back), and ``NoMasters`` for a scaler without masters.
+- ``standalone``: ``with_master_weights(optimizer)``, the masters and float32 sums of an optimizer no scaler
+  steps (a framework's bfloat16 mode), kept by torch's own step hooks on the user's optimizer.
 
 Public here: ``clip_grad_norm_`` and ``clip_grad_value_`` (torch's functions, routed to the masters'
 gradients) and
@@ -33,6 +35,7 @@ scaler's ``master_weights`` and ``accumulate_grads_in_fp32`` ask for).
 from gradscaler.masters.checkpoint import SAVED_KEY, ContinuedWarning
 from gradscaler.masters.checks import WITHOUT_MASTERS_MESSAGE
 from gradscaler.masters.lifecycle import MasterWeights, Moved, NoMasters
+from gradscaler.masters.standalone import with_master_weights
 from gradscaler.masters.wrappers import (
     ROUTED_CLIPPING,
     clip_grad_norm_,
@@ -57,6 +60,7 @@ __all__ = [
     "torch_clip_grad_norm_",
     "torch_clip_grad_value_",
     "unwrap",
+    "with_master_weights",
 ]
 
 

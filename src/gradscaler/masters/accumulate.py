@@ -57,7 +57,7 @@ from gradscaler.masters.checks import (
 )
 from gradscaler.masters.ddp import DataParallel
 from gradscaler.masters.graph import graph_leaves
-from gradscaler.masters.pairs import Binding
+from gradscaler.masters.pairs import Binding, Pair
 from gradscaler.masters.wrappers import bound_clipping, route
 
 ARGUMENT = "accumulate_grads_in_fp32"
@@ -118,8 +118,7 @@ class Sum:
     def add_to(self, master: torch.Tensor, grad: torch.Tensor) -> None:
         """Add ``grad`` into ``master``'s gradient (the first of an iteration replaces it, written into
         last iteration's tensor when that is still there and fits)."""
-        if self.total is not None:  # the sum made before the binding
-            master.grad, self.total = self.total, None
+        self.hand_over(master)
         out = master.grad
         if not self.fresh and out is not None:
             out.add_(grad)  # float32 += float16: each value widened exactly, added in float32
@@ -127,6 +126,11 @@ class Sum:
             out.copy_(grad)
         else:
             master.grad = grad.float()
+
+    def hand_over(self, master: torch.Tensor) -> None:
+        """The sum made before the binding, if any, becomes ``master``'s gradient."""
+        if self.total is not None:
+            master.grad, self.total = self.total, None
 
     def take(self, master: torch.Tensor) -> bool:
         """At the move: ``master``'s gradient becomes this iteration's sum, or None when the parameter got
@@ -423,6 +427,12 @@ class Accumulation:
         self.clipping_checked = True
         for module, name, function in bound_clipping():
             warn(BOUND_CLIPPING_MESSAGE.format(module=module, name=name, function=function), UserWarning)
+
+    def hand_over(self, pair: Pair) -> None:
+        """``Sum.hand_over`` for ``pair`` (a loop without a scaler, ``MasterWeights.hold``)."""
+        found = self.sum_of(pair.low)
+        if found is not None:
+            found.hand_over(pair.master)
 
     def take(self, binding: Binding) -> None:
         """The move of an accumulating binding: each master's gradient becomes its parameter's float32 sum

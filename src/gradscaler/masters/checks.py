@@ -59,6 +59,25 @@ DISABLED_MESSAGE = (
 )
 
 
+HELD_ATTR = "_gradscaler_held_by"
+"""The attribute of an optimizer ``with_master_weights`` gave masters: the ``MasterWeights`` that steer them."""
+
+HELD_MESSAGE = (
+    "Build the scaler without master_weights (GradScaler(), or torch.amp.GradScaler()): this optimizer has "
+    "float32 masters already (gradscaler.with_master_weights(optimizer)), whose float32 gradients any scaler "
+    "unscales and checks as the recipe by hand's scaler does. A GradScaler with master_weights=True would "
+    "bind them a second time; nothing was changed."
+)
+
+
+def refuse_held(optimizer: torch.optim.Optimizer, masters: object) -> None:
+    """``ValueError`` (``HELD_MESSAGE``) when ``with_master_weights`` gave ``optimizer`` masters that
+    ``masters`` (a scaler's) are not."""
+    held = vars(optimizer).get(HELD_ATTR)
+    if held is not None and held is not masters:
+        raise ValueError(HELD_MESSAGE)
+
+
 def describe(group: int, index: int, param: torch.Tensor) -> str:
     """How an error names a parameter: its place in the optimizer, shape and dtype."""
     return f"optimizer.param_groups[{group}]['params'][{index}] (shape {tuple(param.shape)}, {param.dtype})"

@@ -55,6 +55,7 @@ from gradscaler.masters.checks import (
     low_params,
     needs_master,
     refuse_disabled,
+    refuse_held,
     stands_in,
     trained,
 )
@@ -196,6 +197,34 @@ class MasterWeights:
         binding.moved = True
         return Moved(result.flags, {}, {}, grads.new_groups()) if joint else result
 
+    def hold(self, optimizer: torch.optim.Optimizer, refresh: bool = True) -> Binding:
+        """Bind ``optimizer`` (float32 sums only), now and at each call, for a loop that no scaler steps
+        (``standalone``): the sums go straight into the masters' gradients from the next backward on, and
+        stay there (no move; ``zero_grad`` clears them, as for any float32 gradient). Each call binds what is
+        new, hands a sum a hook held before its binding to the master, refreshes a master whose parameter
+        was written (a model load; not with ``refresh`` False: just after the optimizer's own load, whose
+        masters wait for the model's), refuses a ``p.grad`` written by hand, and routes clipping over the
+        parameters to the masters."""
+        assert self._sums is not None, "hold: the masters of an optimizer without a scaler sum in float32"
+        self._sums.contacted, self._sums.watching = True, False
+        binding = self._bind(optimizer)
+        self._sums.refuse(binding, functools.partial(self._name, optimizer), before_step=True)
+        route_clipping()
+        with torch.no_grad():
+            for pair in binding.pairs:
+                if refresh and pair.written():
+                    pair.refresh()
+                self._sums.hand_over(pair)
+                route(pair.low, pair.master)
+        return binding
+
+    def copy_back(self, optimizer: torch.optim.Optimizer) -> None:
+        """After a step of an optimizer ``hold`` keeps: every master into its parameter."""
+        binding = self._bindings.get(optimizer)
+        if binding is not None:
+            with torch.no_grad():
+                binding.copy_back(None)
+
     @staticmethod
     def _move(
         moving: list[tuple[Pair, torch.Tensor]],
@@ -302,6 +331,7 @@ class MasterWeights:
         return f"master {number}"
 
     def _bind(self, optimizer: torch.optim.Optimizer) -> Binding:
+        refuse_held(optimizer, self)
         binding = self._bindings.get(optimizer)
         fresh = binding is None
         loaded = any(SAVED_KEY in group for group in optimizer.param_groups)  # a checkpoint's masters not taken

@@ -1,0 +1,96 @@
+"""float32 masters and float32 gradient sums for an optimizer that no scaler steps: a bfloat16 model in any
+framework's own bfloat16 mode (none builds a scaler there), or any loop without one
+(``gradscaler.with_master_weights(optimizer)``).
+
+The anchors keep master weights in an optimizer wrapper (Megatron-LM's ``Float16OptimizerWithFloat16Params``,
+DeepSpeed's ``BF16_Optimizer``) that a framework steps as its optimizer. Here the optimizer stays the user's
+own object, so every framework takes it as it is (``isinstance``, LR schedulers, Accelerate's and Lightning's
+wrappers, ``state_dict``): its ``param_groups`` get the masters at once, before the first backward (so the
+first iteration is no special state), and torch's own step hooks do the rest:
+
+* **Gradients.** Each float16/bfloat16 parameter's post-accumulate-grad hook adds every backward's gradient
+  into its master's ``.grad`` in float32 and leaves ``p.grad`` None (``accumulate``). The masters' gradients
+  behave as any float32 parameter's: they add up across backwards until ``optimizer.zero_grad()`` clears them.
+  That is where a reader finds them: the ``.grad`` of the parameters the optimizer holds.
+* **Clipping.** ``torch.nn.utils.clip_grad_norm_``/``clip_grad_value_`` over ``model.parameters()`` clip the
+  masters' sums (``wrappers.route``: Accelerate's, the HF Trainer's and nanoGPT's call); over the optimizer's
+  parameters (Lightning's ``gradient_clip_val``) they are the masters already.
+* **Values.** A step pre-hook binds what is new (``add_param_group``) and refreshes a master whose parameter
+  was written since the last step (a model load); a step post-hook copies the masters into the parameters.
+* **Checkpoints.** The optimizer's ``state_dict`` carries the masters and their float32 state, as with a
+  scaler's masters (``checkpoint``); a model saved alone is a plain bfloat16 model.
+
+The recipe by hand it equals, bit for bit: after each backward ``m.grad = p.grad.float()`` (or ``m.grad +=
+p.grad.float()`` once ``m.grad`` exists) and ``p.grad = None``; the client's clipping over the ``m.grad``; the
+optimizer over the masters; ``p.copy_(m)`` after each step. A scaler without ``master_weights`` over such an
+optimizer (torch's too) is the recipe's scaler over the optimizer of copies; one with ``master_weights=True``
+is refused (``checks.HELD_MESSAGE``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gradscaler.errors import warn
+from gradscaler.masters.checks import HELD_ATTR
+from gradscaler.masters.lifecycle import MasterWeights
+from gradscaler.masters.wrappers import unwrap
+
+NOTHING_MESSAGE = (
+    "Call gradscaler.with_master_weights(optimizer) after the model is cast to bfloat16/float16 (after "
+    "model.to(torch.bfloat16), Fabric's setup(model), or inside fabric.init_module()), or leave it out for a "
+    "float32 model under torch.autocast (its gradients are float32 already). {name} holds no float16/bfloat16 "
+    "parameter that requires a gradient, so it got no masters yet; one that appears later is bound at the "
+    "next step, and its gradients of the iteration before were summed in its own dtype."
+)
+
+NOT_AN_OPTIMIZER_MESSAGE = (
+    "Pass the torch.optim.Optimizer that steps the model (gradscaler.with_master_weights(torch.optim.AdamW("
+    "model.parameters()))); got {kind}."
+)
+
+
+class Held:
+    """The masters of one optimizer that no scaler steps, and the step hooks that keep them."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.masters = MasterWeights(accumulate=True)
+        binding = self.masters.hold(optimizer)
+        setattr(optimizer, HELD_ATTR, self.masters)
+        # torch's own hooks, run inside every step, whoever calls it; the load hook runs after the masters'
+        # own (which closes the clipping route) and routes again
+        self.handles = [
+            optimizer.register_step_pre_hook(self.before),
+            optimizer.register_step_post_hook(self.after),
+            optimizer.register_load_state_dict_post_hook(self.loaded),
+        ]
+        if not binding.pairs:
+            warn(NOTHING_MESSAGE.format(name=type(optimizer).__name__), UserWarning)
+
+    def before(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.masters.hold(optimizer)
+
+    def after(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.masters.copy_back(optimizer)
+        self.masters.watch(None)  # parameters unfrozen since: hooked before the next backward
+
+    def loaded(self, optimizer: torch.optim.Optimizer) -> None:
+        self.masters.hold(optimizer, refresh=False)  # a loaded master waits for the model's load, if it comes
+
+
+def with_master_weights(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Give ``optimizer``'s float16/bfloat16 parameters float32 masters and float32 gradient sums, for a loop
+    that builds no scaler (a framework's bfloat16 mode); returns the same optimizer, bound now.
+
+    One line in each client: the optimizer handed to the Trainer, Accelerate's ``prepare``, Lightning's
+    ``configure_optimizers`` or Fabric's ``setup``; ``GradScaler(master_weights=True)`` is the same
+    mechanism for a float16 loop that scales its loss. Calling it again on the same optimizer changes
+    nothing. docs/bfloat16.md shows each client's line."""
+    inner = unwrap(optimizer)
+    if not isinstance(inner, torch.optim.Optimizer):
+        raise TypeError(NOT_AN_OPTIMIZER_MESSAGE.format(kind=type(optimizer).__name__))
+    if vars(inner).get(HELD_ATTR) is None:
+        Held(inner)
+    return optimizer

@@ -1,0 +1,270 @@
+"""``gradscaler.with_master_weights(optimizer)``: float32 masters and float32 gradient sums for a bfloat16
+model that no scaler steps (issue 45), against the recipe by hand, in the loop shapes users write.
+
+The recipe by hand: float32 copies in the optimizer; after each backward ``m.grad = p.grad.float()`` (or
+``m.grad + p.grad.float()``), ``p.grad = None``; torch's clipping over the copies' gradients; the step; each
+copy written back into its parameter. Every comparison is bit for bit, and each is checked to differ from
+the same run without the line (the comparison has power)."""
+
+from __future__ import annotations
+
+import copy
+import io
+import warnings
+
+import pytest
+import torch
+
+import gradscaler
+from gradscaler.masters import checks
+from gradscaler.masters.standalone import NOTHING_MESSAGE
+
+MICRO = 4
+STEPS = 3
+CLIP = 0.05  # bites: the norms of this model's sums are about 1
+
+
+def _model(dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    return model.to(dtype)
+
+
+def _batches(steps: int = STEPS) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    generator = torch.Generator().manual_seed(1)
+    return [
+        [(torch.randn(5, 8, generator=generator), torch.randn(5, 4, generator=generator)) for _ in range(MICRO)]
+        for _ in range(steps)
+    ]
+
+
+def _loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    out = model(x.to(torch.bfloat16))
+    return ((out.float() - y) ** 2).mean() / MICRO
+
+
+def _state(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def recipe(model: torch.nn.Module, batches: list, clip: float | None = CLIP) -> tuple[list[torch.Tensor], list]:
+    """The recipe by hand; returns the parameters after the run and each step's clipping norm."""
+    params = list(model.parameters())
+    masters = [p.detach().float().clone().requires_grad_() for p in params]
+    optimizer = torch.optim.AdamW(masters, lr=1e-2)
+    norms = []
+    for step in batches:
+        for x, y in step:
+            _loss(model, x, y).backward()
+            for p, m in zip(params, masters, strict=True):
+                m.grad = p.grad.float() if m.grad is None else m.grad + p.grad.float()
+                p.grad = None
+        if clip is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(masters, clip))
+        optimizer.step()
+        with torch.no_grad():
+            for p, m in zip(params, masters, strict=True):
+                p.copy_(m)
+        optimizer.zero_grad()
+    return _state(model), norms
+
+
+def ours(model: torch.nn.Module, batches: list, line: bool = True, clip: float | None = CLIP) -> tuple[list, list]:
+    """The plain loop a user writes, with the one line (or without it: ``line=False``)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if line:
+        optimizer = gradscaler.with_master_weights(optimizer)
+    norms = []
+    for step in batches:
+        for x, y in step:
+            _loss(model, x, y).backward()
+        if clip is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+        optimizer.step()
+        optimizer.zero_grad()
+    return _state(model), norms
+
+
+def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("clip", [CLIP, None], ids=["clip", "no-clip"])
+def test_a_plain_loop_equals_the_recipe_and_differs_without_the_line(clip: float | None) -> None:
+    batches = _batches()
+    expected, expected_norms = recipe(_model(), batches, clip)
+    got, norms = ours(_model(), batches, clip=clip)
+    assert _equal(got, expected)
+    assert all(torch.equal(a, b) for a, b in zip(norms, expected_norms, strict=True))
+    if clip is not None:
+        assert all(n > clip for n in norms), "the clipping must bite"
+    without, _ = ours(_model(), batches, line=False, clip=clip)
+    assert not _equal(without, expected)
+    assert all(p.dtype == torch.bfloat16 for p in got)
+
+
+def test_the_gradients_are_the_optimizers_parameters_and_the_model_holds_none() -> None:
+    model = _model()
+    optimizer = gradscaler.with_master_weights(torch.optim.SGD(model.parameters(), lr=0.1))
+    (x, y), *_ = _batches(1)[0]
+    _loss(model, x, y).backward()
+    masters = [m for group in optimizer.param_groups for m in group["params"]]
+    assert all(m.dtype == torch.float32 and m.grad is not None and m.grad.dtype == torch.float32 for m in masters)
+    assert all(p.grad is None for p in model.parameters())
+    optimizer.zero_grad()
+    assert all(m.grad is None for m in masters)
+
+
+def test_a_step_inside_the_closure_as_lightning_calls_it_equals_the_recipe() -> None:
+    """Lightning's automatic optimization: the last micro-batch's backward and the clipping run inside the
+    closure that ``optimizer.step(closure)`` calls, after the step's pre-hook."""
+    batches = _batches()
+    expected, _ = recipe(_model(), batches)
+    model = _model()
+    optimizer = gradscaler.with_master_weights(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    for step in batches:
+        for x, y in step[:-1]:
+            _loss(model, x, y).backward()
+
+        def closure(last: tuple = step[-1]) -> torch.Tensor:
+            loss = _loss(model, *last)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], CLIP)
+            return loss
+
+        optimizer.step(closure)
+        optimizer.zero_grad()
+    assert _equal(_state(model), expected)
+
+
+@pytest.mark.parametrize("scaler", ["torch-disabled", "gradscaler-disabled"])
+def test_nanogpts_bfloat16_loop_with_its_disabled_scaler_equals_the_recipe(scaler: str) -> None:
+    """nanoGPT builds ``GradScaler(enabled=(dtype == 'float16'))``: disabled in bfloat16, still called."""
+    batches = _batches()
+    expected, _ = recipe(_model(), batches)
+    model = _model()
+    optimizer = gradscaler.with_master_weights(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    grad_scaler = (torch.amp.GradScaler if scaler == "torch-disabled" else gradscaler.GradScaler)("cpu", enabled=False)
+    for step in batches:
+        for x, y in step:
+            grad_scaler.scale(_loss(model, x, y)).backward()
+        grad_scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        grad_scaler.step(optimizer)
+        grad_scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+    assert _equal(_state(model), expected)
+
+
+def test_zero_grad_to_zeros_and_a_scheduler_made_before_the_line() -> None:
+    batches = _batches()
+    expected, _ = recipe(_model(), batches)
+    model = _model()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    schedule = torch.optim.lr_scheduler.LambdaLR(inner, lambda step: 1.0)
+    optimizer = gradscaler.with_master_weights(inner)
+    assert optimizer is inner and isinstance(optimizer, torch.optim.AdamW)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "lr_scheduler.step() before optimizer.step()"
+        for step in batches:
+            for x, y in step:
+                _loss(model, x, y).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad(set_to_none=False)
+    assert _equal(_state(model), expected)
+
+
+def _save(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> bytes:
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("order", ["model-first", "optimizer-first"])
+def test_resume_from_a_checkpoint_equals_the_uninterrupted_run(order: str) -> None:
+    batches = _batches(4)
+    expected, _ = recipe(_model(), batches)
+    model = _model()
+    optimizer = gradscaler.with_master_weights(torch.optim.AdamW(model.parameters(), lr=1e-2))
+
+    def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: list) -> None:
+        for step in steps:
+            for x, y in step:
+                _loss(model, x, y).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            optimizer.step()
+            optimizer.zero_grad()
+
+    train(model, optimizer, batches[:2])
+    saved = torch.load(io.BytesIO(_save(model, optimizer)), weights_only=True)
+    plain = _model()
+    plain.load_state_dict(saved["model"])  # the model saved alone is a plain bfloat16 model
+    assert all(p.dtype == torch.bfloat16 for p in plain.parameters())
+
+    resumed = _model()  # a fresh process: the model built again, the optimizer wrapped again
+    again = gradscaler.with_master_weights(torch.optim.AdamW(resumed.parameters(), lr=1e-2))
+    if order == "model-first":
+        resumed.load_state_dict(saved["model"])
+        again.load_state_dict(saved["optimizer"])
+    else:
+        again.load_state_dict(saved["optimizer"])
+        resumed.load_state_dict(saved["model"])
+    train(resumed, again, batches[2:])
+    assert _equal(_state(resumed), expected)
+
+
+def test_a_scaler_with_master_weights_over_it_is_refused_and_one_without_is_the_recipes_scaler() -> None:
+    model = _model()
+    optimizer = gradscaler.with_master_weights(torch.optim.SGD(model.parameters(), lr=0.1))
+    (x, y), *_ = _batches(1)[0]
+    scaler = gradscaler.GradScaler("cpu", master_weights=True)
+    scaler.scale(_loss(model, x, y)).backward()
+    with pytest.raises(ValueError, match="Build the scaler without master_weights"):
+        scaler.step(optimizer)
+    assert checks.HELD_MESSAGE.split(" ", 1)[0] == "Build"
+
+
+def test_an_optimizer_of_float32_parameters_gets_no_masters_and_is_told_what_to_do() -> None:
+    model = _model(torch.float32)
+    with pytest.warns(UserWarning, match="after the model is cast to bfloat16") as caught:
+        optimizer = gradscaler.with_master_weights(torch.optim.SGD(model.parameters(), lr=0.1))
+    assert str(caught[0].message) == NOTHING_MESSAGE.format(name="SGD")
+    assert all(p.dtype == torch.float32 for g in optimizer.param_groups for p in g["params"])
+    assert [p for g in optimizer.param_groups for p in g["params"]] == list(model.parameters())
+
+
+def test_calling_it_twice_changes_nothing_and_a_non_optimizer_is_refused() -> None:
+    batches = _batches()
+    expected, _ = recipe(_model(), batches)
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gradscaler.with_master_weights(optimizer)
+    gradscaler.with_master_weights(optimizer)
+    for step in batches:
+        for x, y in step:
+            _loss(model, x, y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        optimizer.step()
+        optimizer.zero_grad()
+    assert _equal(_state(model), expected)
+    with pytest.raises(TypeError, match=r"Pass the torch\.optim\.Optimizer"):
+        gradscaler.with_master_weights(model)  # type: ignore[arg-type]
+
+
+def test_a_deep_copied_model_and_optimizer_train_apart() -> None:
+    """A framework that deep-copies the model (an EMA, a swa model) leaves the original's masters alone."""
+    batches = _batches()
+    expected, _ = recipe(_model(), batches)
+    model = _model()
+    optimizer = gradscaler.with_master_weights(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    shadow = copy.deepcopy(model)
+    for step in batches:
+        for x, y in step:
+            _loss(model, x, y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        optimizer.step()
+        optimizer.zero_grad()
+    assert _equal(_state(model), expected)
+    assert _equal(_state(shadow), _state(_model()))
