@@ -24,7 +24,8 @@ from typing import Any
 
 from gradscaler.scaler import GradScaler
 
-__all__ = [  # noqa: F822 (the two callbacks: module __getattr__)
+__all__ = [  # noqa: F822 (the three callbacks: module __getattr__)
+    "MasterWeightsCallback",
     "ScaleLogCallback",
     "SkippedStepsCallback",
     "log_scale",
@@ -141,6 +142,34 @@ def _make_callback_class() -> type:
     return SkippedStepsCallback
 
 
+def _masters_callback_class() -> type:
+    global _masters_class
+    if _masters_class is not None:
+        return _masters_class
+    from transformers import TrainerCallback
+
+    from gradscaler.masters import with_master_weights
+
+    class MasterWeightsCallback(TrainerCallback):  # type: ignore[misc]
+        """HF Trainer callback: float32 masters and float32 gradient sums for a bfloat16 model (``bf16=True``,
+        where the Trainer builds no scaler), over the Trainer's own optimizer.
+
+        ``Trainer(..., callbacks=[MasterWeightsCallback()])``. At ``on_train_begin``, after the Trainer built
+        its optimizer and loaded a checkpoint's (``resume_from_checkpoint``), before the first backward:
+        ``gradscaler.with_master_weights(optimizer)``. The Trainer's ``max_grad_norm`` then clips the float32
+        sums, and the ``grad_norm`` it logs is theirs. TRL's trainers and a PEFT model through the Trainer
+        take it alike."""
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+            if optimizer is not None:
+                with_master_weights(optimizer)
+
+    MasterWeightsCallback.__module__ = __name__
+    MasterWeightsCallback.__qualname__ = "MasterWeightsCallback"
+    _masters_class = MasterWeightsCallback
+    return MasterWeightsCallback
+
+
 def __getattr__(name: str) -> Any:
     # SkippedStepsCallback subclasses transformers.TrainerCallback: built on first use, so importing this
     # module does not import transformers.
@@ -151,6 +180,8 @@ def __getattr__(name: str) -> Any:
         return _callback_class
     if name == "ScaleLogCallback":
         return _scale_log_callback_class()
+    if name == "MasterWeightsCallback":
+        return _masters_callback_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -211,6 +242,7 @@ def log_scale(accelerator: Any) -> Any:
 
 
 _scale_log_class: type | None = None
+_masters_class: type | None = None
 
 
 def _same(a: Any, b: Any) -> bool:
