@@ -268,3 +268,40 @@ def test_a_deep_copied_model_and_optimizer_train_apart() -> None:
         optimizer.zero_grad()
     assert _equal(_state(model), expected)
     assert _equal(_state(shadow), _state(_model()))
+
+
+def _steps_warnings(line: bool, scaler: bool = False) -> list[str]:
+    model = _model(torch.float16 if scaler else torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if line:
+        gradscaler.with_master_weights(optimizer)
+    grad_scaler = torch.amp.GradScaler("cpu") if scaler else None  # gradscaler's: patched
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in _batches(2):
+            for x, y in step:
+                loss = ((model(x.to(model[0].weight.dtype)).float() - y) ** 2).mean()
+                (loss if grad_scaler is None else grad_scaler.scale(loss)).backward()
+            if grad_scaler is None:
+                optimizer.step()
+            else:
+                grad_scaler.step(optimizer)
+                grad_scaler.update()
+            optimizer.zero_grad()
+    return [str(w.message) for w in caught if "patch_torch(master_weights=True) did not reach" in str(w.message)]
+
+
+def test_patch_torch_with_master_weights_says_at_the_first_step_what_a_loop_without_a_scaler_needs() -> None:
+    """Issue 45 item 4: no silent no-op. A bfloat16 loop builds no scaler, so the patch cannot reach it: one
+    line at the optimizer's first step says what to do; none with the line, none for a float16 loop whose
+    scaler the patch made, none once unpatched."""
+    with gradscaler.patch_torch(master_weights=True, accumulate_grads_in_fp32=True):
+        told = _steps_warnings(line=False)
+        assert len(told) == 1 and told[0].startswith("Call gradscaler.with_master_weights(optimizer)"), told
+        assert "did not reach AdamW" in told[0] and "4 bfloat16 parameter(s) with gradients" in told[0], told
+        assert _steps_warnings(line=True) == []
+        assert _steps_warnings(line=False, scaler=True) == []
+    assert _steps_warnings(line=False) == []
+    from torch.optim.optimizer import _global_optimizer_pre_hooks
+
+    assert not _global_optimizer_pre_hooks

@@ -21,10 +21,12 @@ from __future__ import annotations
 import copyreg
 import importlib
 import threading
+import weakref
 from types import TracebackType
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from gradscaler import masters
 from gradscaler.errors import warn
@@ -188,6 +190,37 @@ class TorchPatch:
         self.undo()
 
 
+UNREACHED_MESSAGE = (
+    "Call gradscaler.with_master_weights(optimizer) before training (the HF Trainer: "
+    "callbacks=[gradscaler.frameworks.MasterWeightsCallback()]; docs/bfloat16.md has each framework's line). "
+    "gradscaler.patch_torch(master_weights=True) did not reach {name}, which no GradScaler steps (a bfloat16 "
+    "mode builds none): its {count} {dtype} parameter(s) with gradients step in {dtype}, without float32 masters."
+)
+
+
+class _Unreached:
+    """``patch_torch(master_weights=True)``'s global optimizer step pre-hook: at each optimizer's first step,
+    a warning (``UNREACHED_MESSAGE``) when it steps float16/bfloat16 parameters, which no scaler's masters
+    stand for; after that a set lookup per step."""
+
+    def __init__(self) -> None:
+        self.met: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self.handle: Any = None
+
+    def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if optimizer in self.met:
+            return
+        self.met.add(optimizer)
+        low = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        low = [p for p in low if p.dtype in (torch.float16, torch.bfloat16)]
+        if low:
+            dtype = str(low[0].dtype).replace("torch.", "")
+            warn(UNREACHED_MESSAGE.format(name=type(optimizer).__name__, count=len(low), dtype=dtype), UserWarning)
+
+
+_unreached = _Unreached()
+
+
 def patch_torch(*, master_weights: bool = False, accumulate_grads_in_fp32: bool = False) -> TorchPatch:
     """Make ``torch.amp.GradScaler`` and its other spellings build gradscaler's scaler, until undone.
 
@@ -204,6 +237,8 @@ def patch_torch(*, master_weights: bool = False, accumulate_grads_in_fp32: bool 
     ``clip_grad_value_``; a scaler with masters routes them so at its first step too).
     ``accumulate_grads_in_fp32=True`` (with ``master_weights=True``): they also default to
     ``accumulate_grads_in_fp32=True`` (gradients summed in float32 across micro-batches; ``GradScaler``).
+    A loop that builds no scaler (a framework's bfloat16 mode) is not reached: its optimizer's first step
+    warns, in one line, to call ``gradscaler.with_master_weights(optimizer)``.
     """
     global _originals
     if accumulate_grads_in_fp32 and not master_weights:
@@ -240,6 +275,8 @@ def patch_torch(*, master_weights: bool = False, accumulate_grads_in_fp32: bool 
             _installed[(module_name, attr)] = replacement
         _originals = originals
         masters.DEFAULTS[:] = [master_weights, accumulate_grads_in_fp32]  # every scaler built now takes them
+        if master_weights:
+            _unreached.handle = register_optimizer_step_pre_hook(_unreached)
         return TorchPatch(originals)
 
 
@@ -270,6 +307,9 @@ def _unpatch_locked() -> None:
             )
     _originals = None
     masters.DEFAULTS[:] = [False, False]
+    if _unreached.handle is not None:
+        _unreached.handle.remove()
+        _unreached.handle = None
 
 
 def is_torch_patched() -> bool:

@@ -52,8 +52,9 @@ INNER_OPTIMIZER_MESSAGE = (
 )
 
 DISABLED_MESSAGE = (
-    "Enable the scaler (enabled=True) to train {name} with float32 master weights, or cast the model to "
-    "float32 (model.float()) for a run without loss scaling. GradScaler(master_weights=True, "
+    "Enable the scaler (enabled=True) to train {name} with float32 master weights, give the optimizer "
+    "masters without a scaler (gradscaler.with_master_weights(optimizer), for a bfloat16 model trained "
+    "without loss scaling), or cast the model to float32 (model.float()). GradScaler(master_weights=True, "
     "enabled=False) does not scale and keeps no masters: step() calls optimizer.step() as it is, which "
     "would step the parameter in {dtype} and lose the updates below its resolution."
 )
