@@ -230,6 +230,9 @@ class Accumulation:
         # every optimizer bound or met asleep, weakly: its groups' low-precision parameters are hooked again
         # after a swap (``watch``)
         self._met: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        # an optimizer no scaler steps (``MasterWeights.hold``): every low-precision parameter in its groups
+        # gets a master and a hook at once, frozen or not, since no scale() comes to hook it once unfrozen
+        self.holding = False
         self.ddp = DataParallel()  # the parameters of registered DDP modules: their sums averaged at the move
 
     def watch(self, output: Any, bound: Callable[[], list[torch.Tensor]]) -> Any:
@@ -269,7 +272,14 @@ class Accumulation:
         for other in list((getattr(param, "_post_accumulate_grad_hooks", None) or {}).values()):
             if isinstance(other, Sum) and other.owner() is not self:
                 found.take_over(other)  # another scaler's: this one took its optimizer over (one binding steers)
-        found.handle = param.register_post_accumulate_grad_hook(found)
+        frozen = not param.requires_grad  # torch refuses a hook on it, and keeps one made before a freeze
+        if frozen:
+            param.requires_grad_(True)
+        try:
+            found.handle = param.register_post_accumulate_grad_hook(found)
+        finally:
+            if frozen:
+                param.requires_grad_(False)
         self._sums[id(param)] = found
         self.subclassed = self.subclassed or type(param) not in (torch.Tensor, torch.nn.Parameter)
         if self.watching and watched:
@@ -382,8 +392,8 @@ class Accumulation:
         name = type(optimizer).__name__
         late = hidden = 0
         for pair in binding.pairs:
-            if not pair.low.requires_grad and self.sum_of(pair.low) is None:
-                self._frozen[id(pair)] = weakref.ref(pair)
+            if not pair.low.requires_grad and self.sum_of(pair.low) is None and not self.holding:
+                self._frozen[id(pair)] = weakref.ref(pair)  # hooked when unfrozen (no loop without a scaler)
                 continue
             unseen = pair.low.grad is not None and self.sum_of(pair.low) is None
             late += unseen and not self.watching

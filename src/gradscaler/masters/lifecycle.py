@@ -206,7 +206,7 @@ class MasterWeights:
         masters wait for the model's), refuses a ``p.grad`` written by hand, and routes clipping over the
         parameters to the masters."""
         assert self._sums is not None, "hold: the masters of an optimizer without a scaler sum in float32"
-        self._sums.contacted, self._sums.watching = True, False
+        self._sums.contacted, self._sums.watching, self._sums.holding = True, False, True
         binding = self._bind(optimizer)
         self._sums.refuse(binding, functools.partial(self._name, optimizer), before_step=True)
         route_clipping()
@@ -332,16 +332,17 @@ class MasterWeights:
 
     def _bind(self, optimizer: torch.optim.Optimizer) -> Binding:
         refuse_held(optimizer, self)
+        every = self._sums is not None and self._sums.holding  # frozen ones too, with no scaler (``hold``)
         binding = self._bindings.get(optimizer)
         fresh = binding is None
         loaded = any(SAVED_KEY in group for group in optimizer.param_groups)  # a checkpoint's masters not taken
         if binding is None:
             binding = Binding()
         elif not loaded and not any(
-            id(p) not in binding.by_master and stands_in(p) for p in grads.iter_params(optimizer)
+            id(p) not in binding.by_master and stands_in(p, every) for p in grads.iter_params(optimizer)
         ):
             return binding  # the common case: nothing new since the last contact
-        if not loaded and not any(stands_in(p) for p in grads.iter_params(optimizer)):
+        if not loaded and not any(stands_in(p, every) for p in grads.iter_params(optimizer)):
             # nothing to master (yet): bound when a low-precision parameter appears. Any held now is frozen
             # (else it would stand in): the optimizer counts as one of masters for the distributed-checkpoint
             # refusal, and with float32 sums it is hooked at a scale() once unfrozen, as in a bound optimizer
@@ -396,7 +397,8 @@ class MasterWeights:
         param = group["params"][index]
         value = saved.get("masters", {}).get(index)
         kept_wide = value is not None and param.dtype == torch.float32 and checkpoint.same(value, param.detach())
-        if kept_wide or needs_master(param, trained(param, optimizer.state) or value is not None):
+        every = self._sums is not None and self._sums.holding
+        if kept_wide or needs_master(param, every or trained(param, optimizer.state) or value is not None):
             # kept_wide: a float32 parameter equal to its saved master, so bound in float32 when saved
             # (``block.float()`` on a bound model): it keeps its master, through a later ``block.half()`` too
             master = checkpoint.master_of(param, value)

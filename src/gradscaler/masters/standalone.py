@@ -15,7 +15,9 @@ first iteration is no special state), and torch's own step hooks do the rest:
 * **Clipping.** ``torch.nn.utils.clip_grad_norm_``/``clip_grad_value_`` over ``model.parameters()`` clip the
   masters' sums (``wrappers.route``: Accelerate's, the HF Trainer's and nanoGPT's call); over the optimizer's
   parameters (Lightning's ``gradient_clip_val``) they are the masters already.
-* **Values.** A step pre-hook binds what is new (``add_param_group``) and refreshes a master whose parameter
+* **Values.** Every float16/bfloat16 parameter in the groups gets a master and a hook, a frozen one too (no
+  ``scale()`` comes to hook it once unfrozen: gradual unfreezing sums in float32 from its first backward), and
+  so does each of a group ``add_param_group`` adds, at once. A step pre-hook refreshes a master whose parameter
   was written since the last step (a model load); a step post-hook copies the masters into the parameters.
 * **Checkpoints.** The optimizer's ``state_dict`` carries the masters and their float32 state, as with a
   scaler's masters (``checkpoint``); a model saved alone is a plain bfloat16 model.
@@ -29,6 +31,7 @@ is refused (``checks.HELD_MESSAGE``).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -66,6 +69,9 @@ class Held:
             optimizer.register_step_post_hook(self.after),
             optimizer.register_load_state_dict_post_hook(self.loaded),
         ]
+        self.ref = weakref.ref(optimizer)
+        self.checked = optimizer.add_param_group  # the masters' own (``wrappers.AddParamGroupChecked``)
+        optimizer.add_param_group = self.add_param_group  # type: ignore[method-assign]
         if not binding.pairs:
             warn(NOTHING_MESSAGE.format(name=type(optimizer).__name__), UserWarning)
 
@@ -75,6 +81,14 @@ class Held:
     def after(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.masters.copy_back(optimizer)
         self.masters.watch(None)  # parameters unfrozen since: hooked before the next backward
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """The optimizer's ``add_param_group``, its new parameters bound at once: their next backward sums
+        into their masters, and a clipping before the next step reaches them."""
+        self.checked(param_group)
+        optimizer = self.ref()
+        if optimizer is not None:
+            self.masters.hold(optimizer)
 
     def loaded(self, optimizer: torch.optim.Optimizer) -> None:
         self.masters.hold(optimizer, refresh=False)  # a loaded master waits for the model's load, if it comes
