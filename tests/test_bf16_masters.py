@@ -305,3 +305,50 @@ def test_patch_torch_with_master_weights_says_at_the_first_step_what_a_loop_with
     from torch.optim.optimizer import _global_optimizer_pre_hooks
 
     assert not _global_optimizer_pre_hooks
+
+
+def _partial_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, step: int) -> torch.Tensor:
+    """Step 1's micro-batches reach the last layer only: its first layer gets no gradient in that iteration."""
+    if step == 1:
+        return ((model[2](torch.tanh(x.to(torch.bfloat16)).repeat(1, 2)).float() - y) ** 2).mean() / MICRO
+    return _loss(model, x, y)
+
+
+@pytest.mark.parametrize("clearing", ["model.zero_grad", "none"])
+def test_a_loop_that_clears_the_models_gradients_or_none_steps_each_iterations_sums_alone(clearing: str) -> None:
+    """The HF Trainer calls ``model.zero_grad()`` after each step, which reaches no master (the model's
+    bfloat16 parameters hold no gradient): the first backward after a step drops the sums that step consumed,
+    so each step sees its own iteration's sums, and a parameter that got none in an iteration is not stepped
+    (as in the recipe, whose ``zero_grad`` clears the copies' gradients). Before: the sums carried over."""
+    batches = _batches()
+    model = _model()
+    params = list(model.parameters())
+    masters = [p.detach().float().clone().requires_grad_() for p in params]
+    reference = torch.optim.AdamW(masters, lr=1e-2)
+    for index, step in enumerate(batches):
+        for x, y in step:
+            _partial_loss(model, x, y, index).backward()
+            for p, m in zip(params, masters, strict=True):
+                if p.grad is not None:
+                    m.grad = p.grad.float() if m.grad is None else m.grad + p.grad.float()
+                    p.grad = None
+        torch.nn.utils.clip_grad_norm_(masters, CLIP)
+        reference.step()
+        with torch.no_grad():
+            for p, m in zip(params, masters, strict=True):
+                p.copy_(m)
+        reference.zero_grad()
+    expected = _state(model)
+
+    model = _model()
+    optimizer = gradscaler.with_master_weights(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    for index, step in enumerate(batches):
+        for x, y in step:
+            _partial_loss(model, x, y, index).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        optimizer.step()
+        held = [m.grad for g in optimizer.param_groups for m in g["params"]]
+        assert all(grad is not None for grad in held[2:])  # readable after the step, until the next backward
+        if clearing == "model.zero_grad":
+            model.zero_grad()
+    assert _equal(_state(model), expected)

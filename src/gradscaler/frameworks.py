@@ -22,6 +22,9 @@ import math
 import sys
 from typing import Any
 
+import torch
+
+from gradscaler.masters import unwrap, with_master_weights
 from gradscaler.scaler import GradScaler
 
 __all__ = [  # noqa: F822 (the three callbacks: module __getattr__)
@@ -148,8 +151,6 @@ def _masters_callback_class() -> type:
         return _masters_class
     from transformers import TrainerCallback
 
-    from gradscaler.masters import with_master_weights
-
     class MasterWeightsCallback(TrainerCallback):  # type: ignore[misc]
         """HF Trainer callback: float32 masters and float32 gradient sums for a bfloat16 model (``bf16=True``,
         where the Trainer builds no scaler), over the Trainer's own optimizer.
@@ -157,11 +158,15 @@ def _masters_callback_class() -> type:
         ``Trainer(..., callbacks=[MasterWeightsCallback()])``. At ``on_train_begin``, after the Trainer built
         its optimizer and loaded a checkpoint's (``resume_from_checkpoint``), before the first backward:
         ``gradscaler.with_master_weights(optimizer)``. The Trainer's ``max_grad_norm`` then clips the float32
-        sums, and the ``grad_norm`` it logs is theirs. TRL's trainers and a PEFT model through the Trainer
-        take it alike."""
+        sums, and the ``grad_norm`` it logs is theirs. TRL's trainers take it alike (they run the Trainer's
+        loop); so does a PEFT model with bfloat16 adapters (``autocast_adapter_dtype=False``): PEFT's default
+        keeps the adapters in float32, whose gradients are float32 already, and the callback leaves those alone."""
 
         def on_train_begin(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
-            if optimizer is not None:
+            # an optimizer of float32 parameters only (a float32 model under autocast, PEFT's float32 adapters
+            # over a frozen bfloat16 model) steps float32 gradients already: nothing to do, nothing to say
+            groups = [] if optimizer is None else unwrap(optimizer).param_groups
+            if any(p.dtype in (torch.float16, torch.bfloat16) for group in groups for p in group["params"]):
                 with_master_weights(optimizer)
 
     MasterWeightsCallback.__module__ = __name__

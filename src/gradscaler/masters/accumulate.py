@@ -97,13 +97,16 @@ class Sum:
     @compiled.eager  # autograd calls it inside a compiled step's backward: one frame per parameter otherwise
     def __call__(self, param: torch.Tensor) -> None:
         grad = param.grad
-        if grad is None or param._cdata != self.impl or self.owner() is None:
+        owner = self.owner()
+        if grad is None or param._cdata != self.impl or owner is None:
             return  # a copy of the parameter that shares the hook, or a scaler that is gone
         if grad.layout is not torch.strided or grad.requires_grad:
             param.grad = None  # a refused backward leaves nothing behind: the first hook of it refuses
             if grad.layout is not torch.strided:
                 raise ValueError(SPARSE_MESSAGE.format(shape=tuple(param.shape), dtype=param.dtype, layout=grad.layout))
             raise RuntimeError(CREATE_GRAPH_MESSAGE.format(shape=tuple(param.shape), dtype=param.dtype))
+        if owner.spent:
+            owner.drop_spent()  # the first gradient since a step without a scaler: that step's sums are spent
         master = None if self.master is None else self.master()
         if master is None:
             if self.fresh or self.total is None:
@@ -234,6 +237,8 @@ class Accumulation:
         # gets a master and a hook at once, frozen or not, since no scale() comes to hook it once unfrozen
         self.holding = False
         self.ddp = DataParallel()  # the parameters of registered DDP modules: their sums averaged at the move
+        # id -> a weak reference to each master whose gradient a step without a scaler consumed (``spend``)
+        self.spent: dict[int, weakref.ReferenceType[torch.Tensor]] = {}
 
     def watch(self, output: Any, bound: Callable[[], list[torch.Tensor]]) -> Any:
         """At ``scale()``: hook the low-precision parameters of ``output``'s graph (first iteration only);
@@ -357,6 +362,28 @@ class Accumulation:
                 found.total, found.fresh = None, True
             else:
                 found.total.zero_()
+
+    def spend(self, masters: list[torch.Tensor]) -> None:
+        """After a step of an optimizer that no scaler steps (``standalone``): its masters' gradients are spent.
+        They stay readable until the next backward, whose first gradient drops them (``drop_spent``): each step
+        sees its own iteration's sums, whichever ``zero_grad`` the loop calls (the HF Trainer calls
+        ``model.zero_grad()``, which reaches no master), and a master whose parameter got no gradient since is
+        not stepped, as a loop without masters leaves the parameter."""
+        self.spent.update((id(master), weakref.ref(master)) for master in masters)
+
+    def unspend(self, masters: list[torch.Tensor]) -> None:
+        """The optimizer's own ``zero_grad``: its masters' gradients are cleared as the loop asked (zeros the
+        next gradient adds to, as for any float32 gradient, or None)."""
+        for master in masters:
+            self.spent.pop(id(master), None)
+
+    def drop_spent(self) -> None:
+        """The first gradient since a step: the spent gradients go (``spend``)."""
+        spent, self.spent = self.spent, {}
+        for ref in spent.values():
+            master = ref()
+            if master is not None:
+                master.grad = None
 
     def added(self, params: list[torch.Tensor]) -> None:
         """A bound optimizer's ``add_param_group``: its new low-precision parameters are hooked now, before

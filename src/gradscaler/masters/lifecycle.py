@@ -225,6 +225,12 @@ class MasterWeights:
             with torch.no_grad():
                 binding.copy_back(None)
 
+    def spend(self, optimizer: torch.optim.Optimizer) -> None:
+        """After a step of an optimizer ``hold`` keeps: its masters' gradients are spent (``Accumulation.spend``)."""
+        binding = self._bindings.get(optimizer)
+        if binding is not None and self._sums is not None:
+            self._sums.spend([pair.master for pair in binding.pairs])
+
     @staticmethod
     def _move(
         moving: list[tuple[Pair, torch.Tensor]],
@@ -384,6 +390,8 @@ class MasterWeights:
         and the sums hooks still hold for its parameters (a group added since its last move) are cleared."""
         if not set_to_none:
             binding.zeroed_kept()
+        if self._sums is not None:
+            self._sums.unspend([pair.master for pair in binding.pairs])
         optimizer = ref()
         if self._sums is not None and optimizer is not None:
             self._sums.clear_held(list(grads.iter_params(optimizer)), set_to_none)

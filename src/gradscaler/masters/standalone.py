@@ -10,8 +10,11 @@ first iteration is no special state), and torch's own step hooks do the rest:
 
 * **Gradients.** Each float16/bfloat16 parameter's post-accumulate-grad hook adds every backward's gradient
   into its master's ``.grad`` in float32 and leaves ``p.grad`` None (``accumulate``). The masters' gradients
-  behave as any float32 parameter's: they add up across backwards until ``optimizer.zero_grad()`` clears them.
-  That is where a reader finds them: the ``.grad`` of the parameters the optimizer holds.
+  behave as any float32 parameter's: they add up across backwards until ``optimizer.zero_grad()`` clears them,
+  or until the first backward after a step, which drops the sums that step consumed (``Accumulation.spend``):
+  a loop that clears the model's gradients instead (the HF Trainer's ``model.zero_grad()``, which reaches no
+  master) steps each iteration's sums alone, as it does without masters. That is where a reader finds them:
+  the ``.grad`` of the parameters the optimizer holds, until the next backward.
 * **Clipping.** ``torch.nn.utils.clip_grad_norm_``/``clip_grad_value_`` over ``model.parameters()`` clip the
   masters' sums (``wrappers.route``: Accelerate's, the HF Trainer's and nanoGPT's call); over the optimizer's
   parameters (Lightning's ``gradient_clip_val``) they are the masters already.
@@ -80,6 +83,7 @@ class Held:
 
     def after(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.masters.copy_back(optimizer)
+        self.masters.spend(optimizer)  # the next backward starts new sums, whichever zero_grad the loop calls
         self.masters.watch(None)  # parameters unfrozen since: hooked before the next backward
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
