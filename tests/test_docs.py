@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 RUN_PAGES = ("README.md", "docs/guide.md")
 """The pages every Python block of which runs (tests/test_readme.py runs them too, in make demo's venv)."""
-FRAGMENT_PAGES = ("docs/integrations.md", "docs/migration.md")
+FRAGMENT_PAGES = ("docs/integrations.md", "docs/migration.md", "docs/bfloat16.md")
 """Pages whose Python blocks are fragments of a framework's script or a policy's arguments, not run here."""
 
 

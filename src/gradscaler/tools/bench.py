@@ -289,7 +289,7 @@ def run(
     sections: list[str],
     progress: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Run the chosen sections (kernel, step, iteration, masters, compile, memory, accumulation) and return
+    """Run the chosen sections (kernel, step, iteration, masters, compile, memory, accumulation, bf16) and return
     every number (matrix: ``matrix.py``)."""
     device = torch.device(device_name or ("cuda" if torch.cuda.is_available() else "cpu"))
     shapes = gpt2_shapes(1024, 24, 50257, 1024) if device.type == "cuda" else gpt2_shapes(512, 8, 16384, 512)
@@ -330,6 +330,11 @@ def run(
 
         progress("bench: gradients accumulated in float32: precision, training, memory, time ...")
         results["accumulation"] = accumulation_section(device, steps, warmup)
+    if "bf16" in sections:
+        from gradscaler.tools.bench_bf16 import bf16_section
+
+        progress("bench: a bfloat16 model without a scaler, with and without with_master_weights ...")
+        results["bf16"] = bf16_section(device, steps)
     return results
 
 
@@ -338,7 +343,7 @@ def _pct(k: dict[str, Any], name: str) -> str:
     return f"{100 * k[f'{name}_fraction_of_copy_bandwidth']:.0f}% [{100 * q1:.0f}-{100 * q3:.0f}%]"
 
 
-TIMED = ("kernel", "step", "iteration", "matrix", "masters", "compile", "accumulation")
+TIMED = ("kernel", "step", "iteration", "matrix", "masters", "compile", "accumulation", "bf16")
 """The sections that time something (``memory`` only counts bytes): the header names the median only with one."""
 
 
@@ -386,6 +391,10 @@ def format_tables(results: dict[str, Any]) -> str:
         from gradscaler.tools.bench_accumulate import accumulation_lines
 
         formatters["accumulation"] = accumulation_lines
+    if "bf16" in results:
+        from gradscaler.tools.bench_bf16 import bf16_lines
+
+        formatters["bf16"] = bf16_lines
     for section, format_section in formatters.items():
         if section in results:
             lines += format_section(results[section])

@@ -34,6 +34,8 @@ BENCH_SECTIONS = {
     "accumulation": "what accumulate_grads_in_fp32=True (micro-batch gradients summed in float32) costs "
     "and gains: the sum's error against float64, a bfloat16 training run against float32, bytes per "
     "parameter, time per micro-batch, and the same under DDP (2 gloo processes) and FSDP2",
+    "bf16": "what gradscaler.with_master_weights(optimizer) costs a bfloat16 model without a scaler: bytes "
+    "per parameter and time per micro-batch and per step, against the same loop without the line",
 }
 """What each section of ``gradscaler bench`` measures, in the order the help lists them."""
 SECTIONS = tuple(BENCH_SECTIONS)
