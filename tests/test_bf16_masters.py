@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import io
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -352,3 +353,25 @@ def test_a_loop_that_clears_the_models_gradients_or_none_steps_each_iterations_s
         if clearing == "model.zero_grad":
             model.zero_grad()
     assert _equal(_state(model), expected)
+
+
+def test_under_ddp_the_step_refuses_ddps_gradient_and_names_the_scalers_route(tmp_path: Any) -> None:
+    """DDP reduces after the sums took each backward's gradient, so it writes its (zero) reduction into
+    ``p.grad``; nothing averages the sums across ranks on this route: the step refuses, naming the route
+    that does (one gloo rank, in this process)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = _model()
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        optimizer = gradscaler.with_master_weights(torch.optim.SGD(ddp.parameters(), lr=0.1))
+        (x, y), *_ = _batches(1)[0]
+        _loss(ddp, x, y).backward()
+        before = _state(model)
+        with pytest.raises(ValueError, match=r"^Use the scaler's route under DDP: .*register_ddp") as raised:
+            optimizer.step()
+        assert "optimizer.param_groups[0]['params'][0]" in str(raised.value)
+        assert _equal(_state(model), before)
+    finally:
+        dist.destroy_process_group()

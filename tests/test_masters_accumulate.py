@@ -342,7 +342,7 @@ def test_register_ddp_without_accumulation_or_with_a_plain_module_is_refused() -
     assert not scaler._masters._sums.ddp  # nothing registered
 
 
-FIXES = ("Build", "Call", "Enable", "Keep", "Leave", "Pass", "Register", "Save", "Take", "Turn", "Write")
+FIXES = ("Build", "Call", "Enable", "Keep", "Leave", "Pass", "Register", "Save", "Take", "Turn", "Use", "Write")
 """The verbs a refusal opens with: its first sentence says what to do, the rest why."""
 
 
@@ -363,6 +363,10 @@ FIXES = ("Build", "Call", "Enable", "Keep", "Leave", "Pass", "Register", "Save",
         "checks.WRITTEN_LOW_GRADS_MESSAGE",
         "checks.INNER_OPTIMIZER_MESSAGE",
         "checks.DISABLED_MESSAGE",
+        "checks.HELD_MESSAGE",
+        "checks.HELD_DDP_MESSAGE",
+        "standalone.NOTHING_MESSAGE",
+        "standalone.NOT_AN_OPTIMIZER_MESSAGE",
     ],
 )
 def test_each_refusal_leads_with_what_to_do(message: str) -> None:

@@ -71,6 +71,16 @@ HELD_MESSAGE = (
 )
 
 
+HELD_DDP_MESSAGE = (
+    "Use the scaler's route under DDP: scaler = gradscaler.GradScaler.for_bf16(device, master_weights=True, "
+    "accumulate_grads_in_fp32=True) over a plain optimizer, scaler.register_ddp(ddp_model) once, and "
+    "scaler.scale(loss).backward(), scaler.step(optimizer), scaler.update() in the loop (docs/bfloat16.md, "
+    "Limits). {name} holds a .grad written after its backward, DDP's reduced gradient: "
+    "gradscaler.with_master_weights(optimizer) sums each backward into the masters before DDP reduces it "
+    "and does not average the sums across ranks. Nothing was stepped."
+)
+
+
 def refuse_held(optimizer: torch.optim.Optimizer, masters: object) -> None:
     """``ValueError`` (``HELD_MESSAGE``) when ``with_master_weights`` gave ``optimizer`` masters that
     ``masters`` (a scaler's) are not."""

@@ -47,6 +47,7 @@ from gradscaler.masters import checkpoint
 from gradscaler.masters.accumulate import Accumulation
 from gradscaler.masters.checkpoint import SAVED_KEY
 from gradscaler.masters.checks import (
+    HELD_DDP_MESSAGE,
     PARAM_ATTR,
     WRITTEN_LOW_GRADS_MESSAGE,
     check_inner_optimizers,
@@ -208,6 +209,10 @@ class MasterWeights:
         assert self._sums is not None, "hold: the masters of an optimizer without a scaler sum in float32"
         self._sums.contacted, self._sums.watching, self._sums.holding = True, False, True
         binding = self._bind(optimizer)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            for number, pair in enumerate(binding.pairs):
+                if pair.low.grad is not None:  # DDP's reduced gradient, written after the sums took theirs
+                    raise ValueError(HELD_DDP_MESSAGE.format(name=self._name(optimizer, pair, number)))
         self._sums.refuse(binding, functools.partial(self._name, optimizer), before_step=True)
         route_clipping()
         with torch.no_grad():
