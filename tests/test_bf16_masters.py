@@ -375,3 +375,43 @@ def test_under_ddp_the_step_refuses_ddps_gradient_and_names_the_scalers_route(tm
         assert _equal(_state(model), before)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_scaler_without_masters_over_it_is_the_recipes_scaler_over_the_copies() -> None:
+    """Issue 45 item 3, "and ours": ``GradScaler.for_bf16`` (no masters) with its own one-pass clipping over an
+    optimizer given masters equals the recipe whose optimizer of copies the same kind of scaler steps."""
+    batches = _batches()
+    model = _model()
+    params = list(model.parameters())
+    copies = [p.detach().float().clone().requires_grad_() for p in params]
+    theirs = torch.optim.AdamW(copies, lr=1e-2)
+    theirs_scaler = gradscaler.GradScaler.for_bf16("cpu")
+    for step in batches:
+        for x, y in step:
+            theirs_scaler.scale(_loss(model, x, y)).backward()
+            for p, c in zip(params, copies, strict=True):
+                c.grad = p.grad.float() if c.grad is None else c.grad + p.grad.float()
+                p.grad = None
+        theirs_scaler.clip_grad_norm_(theirs, CLIP)
+        theirs_scaler.step(theirs)
+        theirs_scaler.update()
+        with torch.no_grad():
+            for p, c in zip(params, copies, strict=True):
+                p.copy_(c)
+        theirs.zero_grad()
+    expected = _state(model)
+
+    model = _model()
+    optimizer = gradscaler.with_master_weights(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    scaler = gradscaler.GradScaler.for_bf16("cpu")
+    norms = []
+    for step in batches:
+        for x, y in step:
+            scaler.scale(_loss(model, x, y)).backward()
+        norms.append(scaler.clip_grad_norm_(optimizer, CLIP))
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+    assert all(n > CLIP for n in norms)
+    assert _equal(_state(model), expected)
+    assert not _equal(ours(_model(), batches, line=False)[0], expected)
