@@ -377,7 +377,8 @@ def test_under_ddp_the_step_refuses_ddps_gradient_and_names_the_scalers_route(tm
         dist.destroy_process_group()
 
 
-def test_a_scaler_without_masters_over_it_is_the_recipes_scaler_over_the_copies() -> None:
+@pytest.mark.parametrize("clip", ["scaler.clip_grad_norm_", "unscale_+torch"])
+def test_a_scaler_without_masters_over_it_is_the_recipes_scaler_over_the_copies(clip: str) -> None:
     """Issue 45 item 3, "and ours": ``GradScaler.for_bf16`` (no masters) with its own one-pass clipping over an
     optimizer given masters equals the recipe whose optimizer of copies the same kind of scaler steps."""
     batches = _batches()
@@ -392,7 +393,11 @@ def test_a_scaler_without_masters_over_it_is_the_recipes_scaler_over_the_copies(
             for p, c in zip(params, copies, strict=True):
                 c.grad = p.grad.float() if c.grad is None else c.grad + p.grad.float()
                 p.grad = None
-        theirs_scaler.clip_grad_norm_(theirs, CLIP)
+        if clip == "scaler.clip_grad_norm_":
+            theirs_scaler.clip_grad_norm_(theirs, CLIP)
+        else:
+            theirs_scaler.unscale_(theirs)
+            torch.nn.utils.clip_grad_norm_(copies, CLIP)
         theirs_scaler.step(theirs)
         theirs_scaler.update()
         with torch.no_grad():
@@ -408,7 +413,11 @@ def test_a_scaler_without_masters_over_it_is_the_recipes_scaler_over_the_copies(
     for step in batches:
         for x, y in step:
             scaler.scale(_loss(model, x, y)).backward()
-        norms.append(scaler.clip_grad_norm_(optimizer, CLIP))
+        if clip == "scaler.clip_grad_norm_":
+            norms.append(scaler.clip_grad_norm_(optimizer, CLIP))
+        else:
+            scaler.unscale_(optimizer)
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP))
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad()
