@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import gradscaler
+from bf16_recipe import Copies, equal
 
 pytestmark = pytest.mark.integration
 
@@ -62,10 +63,6 @@ def _state(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
-
-
 def _bfloat16(params: list[torch.Tensor]) -> bool:
     return all(p.dtype == torch.bfloat16 for p in params)
 
@@ -74,20 +71,17 @@ def recipe(batches: list) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The recipe by hand in plain torch; the parameters after the run and each step's norm."""
     model = _net().to(torch.bfloat16)
     params = list(model.parameters())
-    masters = [p.detach().float().clone().requires_grad_() for p in params]
+    recipe_copies = Copies(params)
+    masters = recipe_copies.masters
     optimizer = torch.optim.AdamW(masters, lr=LR, weight_decay=0.0)
     norms = []
     for step in batches:
         for x, y in step:
             (_mse(model(x), y) / MICRO).backward()
-            for p, m in zip(params, masters, strict=True):
-                m.grad = p.grad.float() if m.grad is None else m.grad + p.grad.float()
-                p.grad = None
+            recipe_copies.add()
         norms.append(torch.nn.utils.clip_grad_norm_(masters, CLIP))
         optimizer.step()
-        with torch.no_grad():
-            for p, m in zip(params, masters, strict=True):
-                p.copy_(m)
+        recipe_copies.write_back()
         optimizer.zero_grad()
     return _state(model), norms
 
@@ -142,9 +136,9 @@ def test_accelerate_bf16_equals_the_recipe_and_differs_without_the_line() -> Non
     got, norms = accelerate_run(batches)
     _bites(norms)
     assert all(torch.equal(a, b) for a, b in zip(norms, expected_norms, strict=True))
-    assert _equal(got, expected) and _bfloat16(got)
+    assert equal(got, expected) and _bfloat16(got)
     without, _ = accelerate_run(batches, line=False)
-    assert not _equal(without, expected)
+    assert not equal(without, expected)
 
 
 def test_accelerate_save_state_load_state_resume_equals_the_uninterrupted_run(tmp_path: pathlib.Path) -> None:
@@ -156,7 +150,7 @@ def test_accelerate_save_state_load_state_resume_equals_the_uninterrupted_run(tm
     accelerator, model, optimizer = _accelerate_setup(line=True)  # a fresh process: built and wrapped again
     accelerator.load_state(str(tmp_path / "state"))
     _accelerate_train(accelerator, model, optimizer, batches[2:])
-    assert _equal(_state(model), expected)
+    assert equal(_state(model), expected)
 
 
 # ------------------------------------------------------------------------------------------------ HF Trainer
@@ -218,9 +212,9 @@ def test_hf_trainer_bf16_equals_the_recipe_logs_its_norms_and_differs_without_th
     _bites(norms)
     assert norms == [n.item() for n in expected_norms]
     got = _state(trainer.model)
-    assert _equal(got, expected) and _bfloat16(got)
+    assert equal(got, expected) and _bfloat16(got)
     without, _ = trainer_run(batches, tmp_path / "without", line=False)
-    assert not _equal(_state(without.model), expected)
+    assert not equal(_state(without.model), expected)
 
 
 def test_hf_trainer_resume_from_checkpoint_equals_the_uninterrupted_run(tmp_path: pathlib.Path) -> None:
@@ -233,15 +227,15 @@ def test_hf_trainer_resume_from_checkpoint_equals_the_uninterrupted_run(tmp_path
     expected, _ = recipe(batches)
     halfway, _ = recipe(batches[:2])
     trainer, uninterrupted = trainer_run(batches, tmp_path, save_steps=2)
-    assert _equal(_state(trainer.model), expected)
+    assert equal(_state(trainer.model), expected)
     checkpoint = tmp_path / "checkpoint-2"
     plain = _Regressor().to(torch.bfloat16)
     plain.load_state_dict(load_file(str(checkpoint / "model.safetensors")))
-    assert _bfloat16(_state(plain)) and _equal(_state(plain), halfway)
+    assert _bfloat16(_state(plain)) and equal(_state(plain), halfway)
     resumed, logs = trainer_run(batches, tmp_path / "resumed", resume=str(checkpoint), save_steps=2)
     assert [entry["step"] for entry in logs] == [1, 2, 3, 4]  # steps 1 and 2: the checkpoint's log history
     assert [entry["grad_norm"] for entry in logs] == [entry["grad_norm"] for entry in uninterrupted]
-    assert _equal(_state(resumed.model), expected)
+    assert equal(_state(resumed.model), expected)
 
 
 # ------------------------------------------------------------------------------------------------ Fabric
@@ -283,9 +277,9 @@ def test_fabric_bf16_true_equals_the_recipe_and_differs_without_the_line() -> No
     got, norms = fabric_run(batches)
     _bites(norms)
     assert all(torch.equal(a, b) for a, b in zip(norms, expected_norms, strict=True))
-    assert _equal(got, expected) and _bfloat16(got)
+    assert equal(got, expected) and _bfloat16(got)
     without, _ = fabric_run(batches, line=False)
-    assert not _equal(without, expected)
+    assert not equal(without, expected)
 
 
 def test_fabric_save_load_resume_equals_the_uninterrupted_run(tmp_path: pathlib.Path) -> None:
@@ -297,7 +291,7 @@ def test_fabric_save_load_resume_equals_the_uninterrupted_run(tmp_path: pathlib.
     fabric, model, optimizer = _fabric_setup(line=True)  # a fresh process
     fabric.load(tmp_path / "ckpt", {"model": model, "optimizer": optimizer})
     _fabric_train(fabric, model, optimizer, batches[2:])
-    assert _equal(_state(model), expected)
+    assert equal(_state(model), expected)
 
 
 # ------------------------------------------------------------------------------------------------ Lightning Trainer
@@ -350,6 +344,6 @@ def test_lightning_trainer_bf16_true_equals_the_recipe_and_differs_without_the_l
     got, norms = lightning_run(batches)
     _bites(norms)
     assert all(torch.equal(a, b) for a, b in zip(norms, expected_norms, strict=True))
-    assert _equal(got, expected) and _bfloat16(got)
+    assert equal(got, expected) and _bfloat16(got)
     without, _ = lightning_run(batches, line=False)
-    assert not _equal(without, expected)
+    assert not equal(without, expected)

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import gradscaler
+from bf16_recipe import Copies, equal
 from gradscaler.masters import checks
 from gradscaler.masters.standalone import NOTHING_MESSAGE
 
@@ -51,30 +52,25 @@ def _state(model: torch.nn.Module) -> list[torch.Tensor]:
 def recipe(model: torch.nn.Module, batches: list, clip: float | None = CLIP) -> tuple[list[torch.Tensor], list]:
     """The recipe by hand; returns the parameters after the run and each step's clipping norm."""
     params = list(model.parameters())
-    masters = [p.detach().float().clone().requires_grad_() for p in params]
+    recipe_copies = Copies(params)
+    masters = recipe_copies.masters
     optimizer = torch.optim.AdamW(masters, lr=1e-2)
     norms = []
     for step in batches:
         for x, y in step:
             _loss(model, x, y).backward()
-            for p, m in zip(params, masters, strict=True):
-                m.grad = p.grad.float() if m.grad is None else m.grad + p.grad.float()
-                p.grad = None
+            recipe_copies.add()
         if clip is not None:
             norms.append(torch.nn.utils.clip_grad_norm_(masters, clip))
         optimizer.step()
-        with torch.no_grad():
-            for p, m in zip(params, masters, strict=True):
-                p.copy_(m)
+        recipe_copies.write_back()
         optimizer.zero_grad()
     return _state(model), norms
 
 
-def ours(model: torch.nn.Module, batches: list, line: bool = True, clip: float | None = CLIP) -> tuple[list, list]:
-    """The plain loop a user writes, with the one line (or without it: ``line=False``)."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    if line:
-        optimizer = gradscaler.with_master_weights(optimizer)
+def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: list, clip: float | None = CLIP) -> list:
+    """The plain loop a user writes: the micro-batches' backwards, torch's clipping over the model's
+    parameters, the step, ``zero_grad``; returns each step's norm."""
     norms = []
     for step in batches:
         for x, y in step:
@@ -83,11 +79,16 @@ def ours(model: torch.nn.Module, batches: list, line: bool = True, clip: float |
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
         optimizer.step()
         optimizer.zero_grad()
+    return norms
+
+
+def ours(model: torch.nn.Module, batches: list, line: bool = True, clip: float | None = CLIP) -> tuple[list, list]:
+    """The plain loop with the one line (or without it: ``line=False``)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if line:
+        optimizer = gradscaler.with_master_weights(optimizer)
+    norms = train(model, optimizer, batches, clip)
     return _state(model), norms
-
-
-def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 @pytest.mark.parametrize("clip", [CLIP, None], ids=["clip", "no-clip"])
@@ -95,12 +96,12 @@ def test_a_plain_loop_equals_the_recipe_and_differs_without_the_line(clip: float
     batches = _batches()
     expected, expected_norms = recipe(_model(), batches, clip)
     got, norms = ours(_model(), batches, clip=clip)
-    assert _equal(got, expected)
+    assert equal(got, expected)
     assert all(torch.equal(a, b) for a, b in zip(norms, expected_norms, strict=True))
     if clip is not None:
         assert all(n > clip for n in norms), "the clipping must bite"
     without, _ = ours(_model(), batches, line=False, clip=clip)
-    assert not _equal(without, expected)
+    assert not equal(without, expected)
     assert all(p.dtype == torch.bfloat16 for p in got)
 
 
@@ -135,7 +136,7 @@ def test_a_step_inside_the_closure_as_lightning_calls_it_equals_the_recipe() -> 
 
         optimizer.step(closure)
         optimizer.zero_grad()
-    assert _equal(_state(model), expected)
+    assert equal(_state(model), expected)
 
 
 @pytest.mark.parametrize("scaler", ["torch-disabled", "gradscaler-disabled"])
@@ -154,7 +155,7 @@ def test_nanogpts_bfloat16_loop_with_its_disabled_scaler_equals_the_recipe(scale
         grad_scaler.step(optimizer)
         grad_scaler.update()
         optimizer.zero_grad(set_to_none=True)
-    assert _equal(_state(model), expected)
+    assert equal(_state(model), expected)
 
 
 def test_zero_grad_to_zeros_and_a_scheduler_made_before_the_line() -> None:
@@ -174,7 +175,7 @@ def test_zero_grad_to_zeros_and_a_scheduler_made_before_the_line() -> None:
             optimizer.step()
             schedule.step()
             optimizer.zero_grad(set_to_none=False)
-    assert _equal(_state(model), expected)
+    assert equal(_state(model), expected)
 
 
 def _save(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> bytes:
@@ -189,14 +190,6 @@ def test_resume_from_a_checkpoint_equals_the_uninterrupted_run(order: str) -> No
     expected, _ = recipe(_model(), batches)
     model = _model()
     optimizer = gradscaler.with_master_weights(torch.optim.AdamW(model.parameters(), lr=1e-2))
-
-    def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: list) -> None:
-        for step in steps:
-            for x, y in step:
-                _loss(model, x, y).backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-            optimizer.step()
-            optimizer.zero_grad()
 
     train(model, optimizer, batches[:2])
     saved = torch.load(io.BytesIO(_save(model, optimizer)), weights_only=True)
@@ -213,7 +206,7 @@ def test_resume_from_a_checkpoint_equals_the_uninterrupted_run(order: str) -> No
         again.load_state_dict(saved["optimizer"])
         resumed.load_state_dict(saved["model"])
     train(resumed, again, batches[2:])
-    assert _equal(_state(resumed), expected)
+    assert equal(_state(resumed), expected)
 
 
 def test_a_scaler_with_master_weights_over_it_is_refused_and_one_without_is_the_recipes_scaler() -> None:
@@ -243,13 +236,8 @@ def test_calling_it_twice_changes_nothing_and_a_non_optimizer_is_refused() -> No
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     gradscaler.with_master_weights(optimizer)
     gradscaler.with_master_weights(optimizer)
-    for step in batches:
-        for x, y in step:
-            _loss(model, x, y).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        optimizer.step()
-        optimizer.zero_grad()
-    assert _equal(_state(model), expected)
+    train(model, optimizer, batches)
+    assert equal(_state(model), expected)
     with pytest.raises(TypeError, match=r"Pass the torch\.optim\.Optimizer"):
         gradscaler.with_master_weights(model)  # type: ignore[arg-type]
 
@@ -261,14 +249,9 @@ def test_a_deep_copied_model_and_optimizer_train_apart() -> None:
     model = _model()
     optimizer = gradscaler.with_master_weights(torch.optim.AdamW(model.parameters(), lr=1e-2))
     shadow = copy.deepcopy(model)
-    for step in batches:
-        for x, y in step:
-            _loss(model, x, y).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        optimizer.step()
-        optimizer.zero_grad()
-    assert _equal(_state(model), expected)
-    assert _equal(_state(shadow), _state(_model()))
+    train(model, optimizer, batches)
+    assert equal(_state(model), expected)
+    assert equal(_state(shadow), _state(_model()))
 
 
 def _steps_warnings(line: bool, scaler: bool = False) -> list[str]:
@@ -324,20 +307,16 @@ def test_a_loop_that_clears_the_models_gradients_or_none_steps_each_iterations_s
     batches = _batches()
     model = _model()
     params = list(model.parameters())
-    masters = [p.detach().float().clone().requires_grad_() for p in params]
+    recipe_copies = Copies(params)
+    masters = recipe_copies.masters
     reference = torch.optim.AdamW(masters, lr=1e-2)
     for index, step in enumerate(batches):
         for x, y in step:
             _partial_loss(model, x, y, index).backward()
-            for p, m in zip(params, masters, strict=True):
-                if p.grad is not None:
-                    m.grad = p.grad.float() if m.grad is None else m.grad + p.grad.float()
-                    p.grad = None
+            recipe_copies.add()
         torch.nn.utils.clip_grad_norm_(masters, CLIP)
         reference.step()
-        with torch.no_grad():
-            for p, m in zip(params, masters, strict=True):
-                p.copy_(m)
+        recipe_copies.write_back()
         reference.zero_grad()
     expected = _state(model)
 
@@ -352,7 +331,7 @@ def test_a_loop_that_clears_the_models_gradients_or_none_steps_each_iterations_s
         assert all(grad is not None for grad in held[2:])  # readable after the step, until the next backward
         if clearing == "model.zero_grad":
             model.zero_grad()
-    assert _equal(_state(model), expected)
+    assert equal(_state(model), expected)
 
 
 def test_under_ddp_the_step_refuses_ddps_gradient_and_names_the_scalers_route(tmp_path: Any) -> None:
@@ -372,7 +351,7 @@ def test_under_ddp_the_step_refuses_ddps_gradient_and_names_the_scalers_route(tm
         with pytest.raises(ValueError, match=r"^Use the scaler's route under DDP: .*register_ddp") as raised:
             optimizer.step()
         assert "optimizer.param_groups[0]['params'][0]" in str(raised.value)
-        assert _equal(_state(model), before)
+        assert equal(_state(model), before)
     finally:
         dist.destroy_process_group()
 
@@ -384,15 +363,14 @@ def test_a_scaler_without_masters_over_it_is_the_recipes_scaler_over_the_copies(
     batches = _batches()
     model = _model()
     params = list(model.parameters())
-    copies = [p.detach().float().clone().requires_grad_() for p in params]
+    recipe_copies = Copies(params)
+    copies = recipe_copies.masters
     theirs = torch.optim.AdamW(copies, lr=1e-2)
     theirs_scaler = gradscaler.GradScaler.for_bf16("cpu")
     for step in batches:
         for x, y in step:
             theirs_scaler.scale(_loss(model, x, y)).backward()
-            for p, c in zip(params, copies, strict=True):
-                c.grad = p.grad.float() if c.grad is None else c.grad + p.grad.float()
-                p.grad = None
+            recipe_copies.add()
         if clip == "scaler.clip_grad_norm_":
             theirs_scaler.clip_grad_norm_(theirs, CLIP)
         else:
@@ -400,9 +378,7 @@ def test_a_scaler_without_masters_over_it_is_the_recipes_scaler_over_the_copies(
             torch.nn.utils.clip_grad_norm_(copies, CLIP)
         theirs_scaler.step(theirs)
         theirs_scaler.update()
-        with torch.no_grad():
-            for p, c in zip(params, copies, strict=True):
-                p.copy_(c)
+        recipe_copies.write_back()
         theirs.zero_grad()
     expected = _state(model)
 
@@ -422,5 +398,5 @@ def test_a_scaler_without_masters_over_it_is_the_recipes_scaler_over_the_copies(
         scaler.update()
         optimizer.zero_grad()
     assert all(n > CLIP for n in norms)
-    assert _equal(_state(model), expected)
-    assert not _equal(ours(_model(), batches, line=False)[0], expected)
+    assert equal(_state(model), expected)
+    assert not equal(ours(_model(), batches, line=False)[0], expected)

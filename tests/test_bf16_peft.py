@@ -22,6 +22,8 @@ from typing import Any
 import pytest
 import torch
 
+from bf16_recipe import Copies, equal
+
 pytestmark = pytest.mark.integration
 
 peft = pytest.importorskip("peft")
@@ -58,10 +60,6 @@ def _state(model: Any) -> list[torch.Tensor]:
     return [p.detach().clone() for p in _trainable(model)]
 
 
-def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
-
-
 def _dtypes(model: Any) -> set[torch.dtype]:
     return {p.dtype for p in _trainable(model)}
 
@@ -89,7 +87,8 @@ def recipe(batches: list) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     model.train()
     params = _trainable(model)
     assert params and all(p.dtype == torch.bfloat16 for p in params)
-    masters = [p.detach().float().clone().requires_grad_() for p in params]
+    recipe_copies = Copies(params)
+    masters = recipe_copies.masters
     optimizer = torch.optim.AdamW(masters, lr=LR, weight_decay=0.0)
     norms = []
     for step in batches:
@@ -98,14 +97,10 @@ def recipe(batches: list) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
             with torch.autocast("cpu", dtype=torch.bfloat16):  # Accelerate's forward for bf16
                 loss = model(input_ids=ids, labels=ids, num_items_in_batch=items).loss
             loss.backward()
-            for p, m in zip(params, masters, strict=True):
-                m.grad = p.grad.float() if m.grad is None else m.grad + p.grad.float()
-                p.grad = None
+            recipe_copies.add()
         norms.append(torch.nn.utils.clip_grad_norm_(masters, CLIP))
         optimizer.step()
-        with torch.no_grad():
-            for p, m in zip(params, masters, strict=True):
-                p.copy_(m)
+        recipe_copies.write_back()
         optimizer.zero_grad()
     return _state(model), norms
 
@@ -149,9 +144,9 @@ def test_peft_bf16_adapters_equal_the_recipe_and_differ_without_the_callback(tmp
     assert norms == [n.item() for n in expected_norms]
     got = _state(trainer.model)
     assert _dtypes(trainer.model) == {torch.bfloat16}
-    assert _equal(got, expected)
+    assert equal(got, expected)
     without, _ = trainer_run(batches, tmp_path / "without", line=False)
-    assert not _equal(_state(without.model), expected)
+    assert not equal(_state(without.model), expected)
 
 
 def test_peft_float32_adapters_the_callback_does_nothing_and_says_nothing(tmp_path: pathlib.Path) -> None:
@@ -165,5 +160,5 @@ def test_peft_float32_adapters_the_callback_does_nothing_and_says_nothing(tmp_pa
     assert _dtypes(trainer.model) == {torch.float32}
     without, norms_without = trainer_run(batches, tmp_path / "without", line=False, bf16_adapters=False)
     assert norms == norms_without
-    assert _equal(_state(trainer.model), _state(without.model))
-    assert not _equal(_state(trainer.model), _state(peft_model(bf16_adapters=False)))  # it trained
+    assert equal(_state(trainer.model), _state(without.model))
+    assert not equal(_state(trainer.model), _state(peft_model(bf16_adapters=False)))  # it trained

@@ -24,6 +24,8 @@ from typing import Any
 import pytest
 import torch
 
+from bf16_recipe import Copies, equal
+
 pytestmark = pytest.mark.integration
 
 trl = pytest.importorskip("trl")
@@ -45,10 +47,6 @@ FUSED_OUTPUTS = ("log_probs", "entropy", "is_top1")  # what SFTTrainer asks its 
 
 def _state(model: Any) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
-
-
-def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 def _batches(steps: int) -> list[list[torch.Tensor]]:
@@ -73,7 +71,8 @@ def recipe(batches: list) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     add_fused_lm_head(model, outputs=FUSED_OUTPUTS)
     model.train()
     params = list(model.parameters())
-    masters = [p.detach().float().clone().requires_grad_() for p in params]
+    recipe_copies = Copies(params)
+    masters = recipe_copies.masters
     optimizer = torch.optim.AdamW(masters, lr=LR, weight_decay=0.0)
     norms = []
     for step in batches:
@@ -84,14 +83,10 @@ def recipe(batches: list) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
                     input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids, use_cache=False, fused_lm_head=True
                 )
             (-out.log_probs.sum() / items).backward()
-            for p, m in zip(params, masters, strict=True):
-                m.grad = p.grad.float() if m.grad is None else m.grad + p.grad.float()
-                p.grad = None
+            recipe_copies.add()
         norms.append(torch.nn.utils.clip_grad_norm_(masters, CLIP))
         optimizer.step()
-        with torch.no_grad():
-            for p, m in zip(params, masters, strict=True):
-                p.copy_(m)
+        recipe_copies.write_back()
         optimizer.zero_grad()
     return _state(model), norms
 
@@ -141,6 +136,6 @@ def test_trl_sft_bf16_equals_the_recipe_and_differs_without_the_callback(tmp_pat
     assert norms == [n.item() for n in expected_norms]
     got = _state(trainer.model)
     assert all(p.dtype == torch.bfloat16 for p in got)
-    assert _equal(got, expected)
+    assert equal(got, expected)
     without, _ = sft_run(batches, tmp_path / "without", line=False)
-    assert not _equal(_state(without.model), expected)
+    assert not equal(_state(without.model), expected)
