@@ -121,7 +121,8 @@ class Sum:
     def add_to(self, master: torch.Tensor, grad: torch.Tensor) -> None:
         """Add ``grad`` into ``master``'s gradient (the first of an iteration replaces it, written into
         last iteration's tensor when that is still there and fits)."""
-        self.hand_over(master)
+        if self.total is not None:
+            self.hand_over(master)
         out = master.grad
         if not self.fresh and out is not None:
             out.add_(grad)  # float32 += float16: each value widened exactly, added in float32
@@ -237,8 +238,8 @@ class Accumulation:
         # gets a master and a hook at once, frozen or not, since no scale() comes to hook it once unfrozen
         self.holding = False
         self.ddp = DataParallel()  # the parameters of registered DDP modules: their sums averaged at the move
-        # id -> a weak reference to each master whose gradient a step without a scaler consumed (``spend``)
-        self.spent: dict[int, weakref.ReferenceType[torch.Tensor]] = {}
+        # id -> a weak reference to each binding whose masters' gradients a step without a scaler consumed (``spend``)
+        self.spent: dict[int, weakref.ReferenceType[Binding]] = {}
 
     def watch(self, output: Any, bound: Callable[[], list[torch.Tensor]]) -> Any:
         """At ``scale()``: hook the low-precision parameters of ``output``'s graph (first iteration only);
@@ -363,27 +364,26 @@ class Accumulation:
             else:
                 found.total.zero_()
 
-    def spend(self, masters: list[torch.Tensor]) -> None:
+    def spend(self, binding: Binding) -> None:
         """After a step of an optimizer that no scaler steps (``standalone``): its masters' gradients are spent.
         They stay readable until the next backward, whose first gradient drops them (``drop_spent``): each step
         sees its own iteration's sums, whichever ``zero_grad`` the loop calls (the HF Trainer calls
         ``model.zero_grad()``, which reaches no master), and a master whose parameter got no gradient since is
-        not stepped, as a loop without masters leaves the parameter."""
-        self.spent.update((id(master), weakref.ref(master)) for master in masters)
+        not stepped, as a loop without masters leaves the parameter. One entry per binding, not per master."""
+        self.spent[id(binding)] = weakref.ref(binding)
 
-    def unspend(self, masters: list[torch.Tensor]) -> None:
+    def unspend(self, binding: Binding) -> None:
         """The optimizer's own ``zero_grad``: its masters' gradients are cleared as the loop asked (zeros the
         next gradient adds to, as for any float32 gradient, or None)."""
-        for master in masters:
-            self.spent.pop(id(master), None)
+        self.spent.pop(id(binding), None)
 
     def drop_spent(self) -> None:
         """The first gradient since a step: the spent gradients go (``spend``)."""
         spent, self.spent = self.spent, {}
         for ref in spent.values():
-            master = ref()
-            if master is not None:
-                master.grad = None
+            binding = ref()
+            for pair in [] if binding is None else binding.pairs:
+                pair.master.grad = None
 
     def added(self, params: list[torch.Tensor]) -> None:
         """A bound optimizer's ``add_param_group``: its new low-precision parameters are hooked now, before

@@ -208,7 +208,10 @@ class MasterWeights:
         parameters to the masters."""
         assert self._sums is not None, "hold: the masters of an optimizer without a scaler sum in float32"
         self._sums.contacted, self._sums.watching, self._sums.holding = True, False, True
+        known = self._bindings.get(optimizer)
+        count = -1 if known is None else len(known.pairs)
         binding = self._bind(optimizer)
+        settled = refresh and binding is known and len(binding.pairs) == count  # nothing new: sums and routes hold
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             for number, pair in enumerate(binding.pairs):
                 if pair.low.grad is not None:  # DDP's reduced gradient, written after the sums took theirs
@@ -219,8 +222,9 @@ class MasterWeights:
             for pair in binding.pairs:
                 if refresh and pair.written():
                     pair.refresh()
-                self._sums.hand_over(pair)
-                route(pair.low, pair.master)
+                if not settled:
+                    self._sums.hand_over(pair)
+                    route(pair.low, pair.master)
         return binding
 
     def copy_back(self, optimizer: torch.optim.Optimizer) -> None:
@@ -234,7 +238,7 @@ class MasterWeights:
         """After a step of an optimizer ``hold`` keeps: its masters' gradients are spent (``Accumulation.spend``)."""
         binding = self._bindings.get(optimizer)
         if binding is not None and self._sums is not None:
-            self._sums.spend([pair.master for pair in binding.pairs])
+            self._sums.spend(binding)
 
     @staticmethod
     def _move(
@@ -395,10 +399,11 @@ class MasterWeights:
         and the sums hooks still hold for its parameters (a group added since its last move) are cleared."""
         if not set_to_none:
             binding.zeroed_kept()
-        if self._sums is not None:
-            self._sums.unspend([pair.master for pair in binding.pairs])
+        if self._sums is None:
+            return
+        self._sums.unspend(binding)
         optimizer = ref()
-        if self._sums is not None and optimizer is not None:
+        if optimizer is not None and not self._sums.holding:  # held: every hook has its master, no sum waits
             self._sums.clear_held(list(grads.iter_params(optimizer)), set_to_none)
 
     def _bind_param(
