@@ -41,6 +41,8 @@ TESTED = {
     ("masters.checkpoint", "ContinuedWarning"): "test_a_float32_parameter_continued_from_a_saved_master",
     ("masters.accumulate", "UserWarning"): "test_a_model_new_to_an_accumulating_scaler_after_its_first_iteration",
     ("kernels", "KernelFallbackWarning"): "test_kernel_fallback",
+    ("drop_in", "UserWarning"): "test_patch_torch_with_master_weights_unreached_by_a_loop_without_a_scaler",
+    ("masters.standalone", "UserWarning"): "test_with_master_weights_over_float32_parameters",
 }
 
 
@@ -104,6 +106,24 @@ def test_unpatch_finding_a_spelling_rebound() -> None:
         gradscaler.unpatch_torch()
         torch.amp.GradScaler = torchs  # type: ignore[misc]
     assert not gradscaler.is_torch_patched()
+
+
+def test_patch_torch_with_master_weights_unreached_by_a_loop_without_a_scaler() -> None:
+    model = nn.Linear(4, 1).to(torch.bfloat16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradscaler.patch_torch(master_weights=True), caught() as record:
+        model(torch.ones(2, 4, dtype=torch.bfloat16)).float().pow(2).mean().backward()
+        line = here() + 1
+        optimizer.step()
+    assert_at(record, UserWarning, "patch_torch(master_weights=True) did not reach SGD", line)
+
+
+def test_with_master_weights_over_float32_parameters() -> None:
+    model = nn.Linear(4, 1)
+    with caught() as record:
+        line = here() + 1
+        gradscaler.with_master_weights(torch.optim.SGD(model.parameters(), lr=0.1))
+    assert_at(record, UserWarning, "after the model is cast to bfloat16/float16", line)
 
 
 class LegacyProtocolSGD(torch.optim.SGD):
