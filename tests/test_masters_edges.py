@@ -7,6 +7,7 @@ run's masters, and torch's distributed-checkpoint helpers.
 from __future__ import annotations
 
 import io
+import re
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -247,6 +248,142 @@ def test_a_parameter_cast_back_to_float16_after_the_loads_resumes_bit_for_bit() 
         assert_same_trace(run(again, range(6, STEPS), new_trace()), expected)
     assert_same_state(again.optimizer, ours.optimizer)
     assert trace["params"]  # the first phase trained (applied steps from the first on)
+
+
+# 6b. The same with float32 sums over micro-batches, from a checkpoint saved before any applied step ---------
+
+PRE_STEP: dict[str, Any] = {"init_scale": 2.0**40, "backoff_factor": 2.0**-10, "growth_interval": 3}
+# every step skipped until the scale reaches 2**10 (the fourth iteration): the masters still equal their parameters
+MICRO = 3  # micro-batches per step: the scaler warns of hidden parameters only after two or more scaled graphs
+
+
+def adapter_run(seed: int = 0, accumulate: bool = True) -> tuple[Experts, torch.optim.Optimizer, Any]:
+    """The float16 ``Experts`` with only the head trained (an adapter over a frozen base); ``accumulate``:
+    ``accumulate_grads_in_fp32``."""
+    model = Experts(seed=seed)
+    model.requires_grad_(False)
+    model.head.requires_grad_(True)
+    optimizer = torch.optim.AdamW(model.head.parameters(), lr=1e-2)
+    scaler = GradScaler("cpu", master_weights=True, accumulate_grads_in_fp32=accumulate, **PRE_STEP)
+    return model, optimizer, scaler
+
+
+def adapter_steps(system: tuple[Experts, torch.optim.Optimizer, Any], steps: range) -> None:
+    """``MICRO`` micro-batches a step under float16 autocast (the float32 head computes in float16, as under the
+    Trainer), then step, update and zero_grad."""
+    model, optimizer, scaler = system
+    batches = data(MICRO * (max(steps) + 1))
+    for step in steps:
+        for micro in range(MICRO):
+            x, y = batches[MICRO * step + micro]
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = ((model(x, step).float() - y) ** 2).mean()
+            scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+
+
+def adapter_save(system: tuple[Experts, torch.optim.Optimizer, Any]) -> dict[str, Any]:
+    model, optimizer, scaler = system
+    buffer = io.BytesIO()
+    torch.save(
+        {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict()}, buffer
+    )
+    return torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+
+
+def adapter_resume(saved: dict[str, Any], float32: bool, accumulate: bool = True) -> tuple[Any, ...]:
+    """A fresh run (another seed) loaded from ``saved``; ``float32``: its head cast to float32 before the loads,
+    as peft's load casts an adapter."""
+    system = adapter_run(seed=9, accumulate=accumulate)
+    model, optimizer, scaler = system
+    if float32:
+        model.head.float()
+    model.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+    scaler.load_state_dict(saved["scaler"])
+    return system
+
+
+def caught(action: Callable[[], None]) -> list[warnings.WarningMessage]:
+    with warnings.catch_warnings(record=True) as found:
+        warnings.simplefilter("always")
+        action()
+    return list(found)
+
+
+@pytest.mark.parametrize("accumulate", [True, False], ids=["float32 sums", "float16 sums"])
+@pytest.mark.parametrize("saved_at", ["before any applied step", "after applied steps"])
+def test_float32_adapters_resumed_over_micro_batches_continue_with_one_continued_warning(
+    saved_at: str, accumulate: bool
+) -> None:
+    """docs/integrations.md, 'PEFT adapters in float16': a float32 adapter resumed from a float16 run's checkpoint
+    continues from its saved master with one ``ContinuedWarning``, not the warning of parameters hidden from the
+    scaled graphs (issue 46 item 6: saved before any applied step, the master equals the float32 adapter, which
+    was bound to it and counted as hidden; autograd had summed its micro-batches in float32, nothing lost)."""
+    first = range(1) if saved_at == "before any applied step" else range(6)
+    ours = adapter_run(accumulate=accumulate)
+    adapter_steps(ours, first)
+    masters = [master.detach().clone() for _, master in ours[2].master_weights(ours[1])]
+    applied = not torch.equal(masters[0].half(), Experts(seed=0).head.weight)
+    assert applied == (saved_at == "after applied steps")  # the test is where it says it is
+    again = adapter_resume(adapter_save(ours), float32=True, accumulate=accumulate)
+    found = caught(lambda: adapter_steps(again, range(len(first), len(first) + 1)))
+    assert [w.category for w in found] == [ContinuedWarning], [str(w.message) for w in found]
+    named = r"\['params'\]\[0\] \(shape \(4, 16\), torch.float32\) was float16 or bfloat16 .*, and 1 more parameters"
+    assert re.search(named, str(found[0].message))
+    head = again[0].head
+    assert head.weight.dtype == torch.float32
+    if saved_at == "before any applied step":  # that step skipped too: the head holds its saved master
+        assert torch.equal(head.weight.detach(), masters[0]) and torch.equal(head.bias.detach(), masters[1])
+    assert not caught(lambda: adapter_steps(again, range(len(first) + 1, len(first) + 3)))  # once
+
+
+def test_a_checkpoint_without_saved_dtypes_continues_a_float32_adapter_equal_to_its_float16_master_warning() -> None:
+    """A checkpoint of an earlier version names no dtype beside its masters (``dtypes``): a float32 adapter equal to
+    its saved master, a float16 value, is taken as peft's cast of a float16 run's adapter (``checkpoint.narrowed``)."""
+    ours = adapter_run()
+    adapter_steps(ours, range(1))
+    saved = adapter_save(ours)
+    for group in saved["optimizer"]["param_groups"]:
+        del group[SAVED_KEY]["dtypes"]
+    again = adapter_resume(saved, float32=True)
+    found = caught(lambda: adapter_steps(again, range(1, 2)))
+    assert [w.category for w in found] == [ContinuedWarning], [str(w.message) for w in found]
+
+
+def test_a_head_saved_in_float32_before_any_applied_step_resumes_in_float32_without_a_warning() -> None:
+    """The head cast to float32 on a bound model (every step skipped, so its masters equal it), saved, resumed
+    in float32 with float32 sums over micro-batches: it was float32 when saved, nothing is lost, nothing said."""
+    ours = adapter_run()
+    adapter_steps(ours, range(1))
+    ours[0].head.float()
+    adapter_steps(ours, range(1, 2))
+    assert ours[2].get_scale() > 2.0**15  # every step skipped
+    again = adapter_resume(adapter_save(ours), float32=True)
+    assert not caught(lambda: adapter_steps(again, range(2, 3)))
+
+
+def test_float32_adapters_cast_back_to_float16_resume_bit_for_bit_from_a_checkpoint_saved_before_any_step() -> None:
+    """The recipe of docs/integrations.md with float32 sums over micro-batches, from a checkpoint saved before any
+    applied step: the adapter cast back to float16 after the loads equals the uninterrupted run, in silence."""
+    ours = adapter_run()
+    adapter_steps(ours, range(1))
+    saved = adapter_save(ours)
+    again = adapter_resume(saved, float32=True)
+    for param in again[0].head.parameters():
+        param.data = param.data.half()
+    adapter_steps(ours, range(1, 7))
+    assert not torch.equal(ours[0].head.weight, saved["model"]["head.weight"])  # steps were applied
+    assert not caught(lambda: adapter_steps(again, range(1, 7)))
+    assert ours[2].get_scale() == again[2].get_scale()
+    assert all(torch.equal(a, b) for a, b in zip(ours[0].head.parameters(), again[0].head.parameters(), strict=True))
+    assert_same_state(again[1], ours[1])
+    trained = [master for _, master in ours[2].master_weights(ours[1])]
+    assert all(
+        torch.equal(a, b) for a, b in zip(trained, [m for _, m in again[2].master_weights(again[1])], strict=True)
+    )
 
 
 # 7. torch.distributed.checkpoint's state-dict helpers -----------------------------------------------------

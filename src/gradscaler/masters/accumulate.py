@@ -412,9 +412,11 @@ class Accumulation:
 
     def bind(self, binding: Binding, optimizer: torch.optim.Optimizer) -> None:
         """Hook every parameter of ``optimizer``'s ``binding`` (hooked already or not) and point its sum at its
-        master; a warning when parameters come with gradients autograd may have summed: new to the scaler
-        after its first iteration (``LATE_MESSAGE``), or in it, hidden from the scaled graphs of two or more
-        backwards (``HIDDEN_MESSAGE``)."""
+        master; a warning when low-precision parameters come with gradients autograd may have summed in their
+        dtype: new to the scaler after its first iteration (``LATE_MESSAGE``), or in it, hidden from the scaled
+        graphs of two or more backwards (``HIDDEN_MESSAGE``). A float32 parameter bound to its saved master
+        (``MasterWeights._bind_param``'s ``kept_wide``: peft's float32 adapters, resumed from a checkpoint saved
+        before any applied step) was summed by autograd in float32: nothing lost, no warning."""
         self._met.add(optimizer)
         name = type(optimizer).__name__
         late = hidden = 0
@@ -422,7 +424,7 @@ class Accumulation:
             if not pair.low.requires_grad and self.sum_of(pair.low) is None and not self.holding:
                 self._frozen[id(pair)] = weakref.ref(pair)  # hooked when unfrozen (no loop without a scaler)
                 continue
-            unseen = pair.low.grad is not None and self.sum_of(pair.low) is None
+            unseen = pair.low.grad is not None and pair.low.dtype in LOW_PRECISION and self.sum_of(pair.low) is None
             late += unseen and not self.watching
             hidden += unseen and self.watching and self.scaled > 1
             found = self.hook(pair.low)

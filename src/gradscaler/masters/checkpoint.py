@@ -1,9 +1,10 @@
 """The masters through the optimizer's state dict: what is saved, and what of it a binding or a load takes.
 
 Saved: a ``state_dict`` post-hook adds, to each saved param group, the key ``SAVED_KEY`` with the masters
-of its positions and their float32 state (the same tensors as in ``state``: ``torch.save`` stores them
-once). Torch keeps unknown group keys, so a checkpoint passed through a run without masters still holds
-old ones; taken back: a saved master only if it rounds to the whole parameter it is loaded for
+of its positions, their float32 state (the same tensors as in ``state``: ``torch.save`` stores them
+once) and the dtype of each master's parameter (``dtypes``: "float16", "bfloat16" or "float32"). Torch
+keeps unknown group keys, so a checkpoint passed through a run without masters still holds old ones;
+taken back: a saved master only if it rounds to the whole parameter it is loaded for
 (``claims``), and its saved state only where it rounds to the state loaded with it at the same step
 (``state_for_master``). Plain functions of tensors and dicts; ``lifecycle.MasterWeights`` gives the hooks
 what they need as callables and never hands its pairs down.
@@ -126,6 +127,23 @@ def _untouched(state: dict[str, Any]) -> bool:
     return isinstance(step, (torch.Tensor, int, float)) and float(step) == 0
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """How a checkpoint names a parameter's dtype (``dtypes``): "float16", "bfloat16", "float32"."""
+    return str(dtype).removeprefix("torch.")
+
+
+def narrowed(saved: torch.Tensor, param: torch.Tensor, dtype: Any) -> bool:
+    """For a float32 ``param`` equal to its ``saved`` master (bound to it: ``kept_wide``), whether it was
+    float16/bfloat16 when its checkpoint was saved (``dtype``, the name saved with the master) and is float32
+    now (peft's load of adapters saved before any applied step): it continues as a float32 parameter. A
+    checkpoint without the name (saved before it was recorded): when the master is a float16 or bfloat16 value
+    (``continues``), as a float32 parameter saved so is the rarer case (``block.float()`` on a bound model,
+    and no applied step since)."""
+    if isinstance(dtype, str):
+        return dtype in {dtype_name(low) for low in LOW_PRECISION}
+    return continues(saved, param) is not None
+
+
 def continues(saved: torch.Tensor, param: torch.Tensor) -> torch.Tensor | None:
     """For a float32 ``param`` at a position whose checkpoint holds a master (a float16/bfloat16 parameter
     then, cast to float32 since: peft loads adapters in float32): ``saved`` if, rounded to float16 or to
@@ -239,10 +257,12 @@ def guard_dcp() -> None:
 
 def save_hook(
     value_of: Callable[[torch.Tensor], torch.Tensor | None],
+    dtype_of: Callable[[torch.Tensor], torch.dtype | None],
 ) -> Callable[[torch.optim.Optimizer, dict[str, Any]], dict[str, Any]]:
     """The ``state_dict`` post-hook: each saved group gets its masters (``value_of(param)``: the value to save
-    for a master, None for a parameter that is none) and their float32 state. ``ValueError`` (``DCP_MESSAGE``)
-    when torch's distributed-checkpoint helpers ask, which would fail on the masters with a bare ``KeyError``."""
+    for a master, None for a parameter that is none), their float32 state and their parameters' dtypes
+    (``dtype_of(param)``). ``ValueError`` (``DCP_MESSAGE``) when torch's distributed-checkpoint helpers ask,
+    which would fail on the masters with a bare ``KeyError``."""
 
     def hook(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
         saved_state = state_dict["state"]
@@ -252,15 +272,20 @@ def save_hook(
             waiting = saved.get(SAVED_KEY) or {}
             masters: dict[int, torch.Tensor] = dict(waiting.get("masters", {}))
             state: dict[int, Any] = dict(waiting.get("state", {}))
+            dtypes: dict[int, str] = dict(waiting.get("dtypes", {}))
             for index, (param, number) in enumerate(zip(group["params"], saved["params"], strict=True)):
                 value = value_of(param)
                 if value is not None:
                     masters[index] = value
                     state.pop(index, None)
+                    dtypes.pop(index, None)
                     if number in saved_state:
                         state[index] = saved_state[number]  # the same tensors: torch.save writes them once
+                    dtype = dtype_of(param)
+                    if dtype is not None:
+                        dtypes[index] = dtype_name(dtype)
             if masters:
-                saved[SAVED_KEY] = {"masters": masters, "state": state}
+                saved[SAVED_KEY] = {"masters": masters, "state": state, "dtypes": dtypes}
         if any(SAVED_KEY in saved for saved in state_dict["param_groups"]) and _called_from_dcp():
             raise ValueError(DCP_MESSAGE)
         return state_dict
@@ -298,10 +323,11 @@ def load_hook(
                     if param in optimizer.state:
                         optimizer.state[param] = exact_state(optimizer.state[param], saved.get("state", {}).get(i))
                 if left:  # a parameter with no master yet (frozen before this binding): taken at the next move
-                    state = saved.get("state", {})
+                    state, dtypes = saved.get("state", {}), saved.get("dtypes", {})
                     group[SAVED_KEY] = {
                         "masters": {i: saved["masters"][i] for i in left},
                         "state": {i: state[i] for i in left if i in state},
+                        "dtypes": {i: dtypes[i] for i in left if i in dtypes},
                     }
             others = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in restored]
             unsaved(others if carries else [])

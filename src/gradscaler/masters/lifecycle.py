@@ -380,7 +380,7 @@ class MasterWeights:
         if continued:
             checkpoint.warn_continued(continued)
         if fresh:  # the hooks of an earlier binding (another scaler's) give way: one binding steers
-            save = checkpoint.save_hook(binding.saved_value)
+            save = checkpoint.save_hook(binding.saved_value, binding.saved_dtype)
             load = checkpoint.load_hook(binding.restore, binding.unsaved, functools.partial(_end, binding))
             binding.hooks = checkpoint.install_hooks(optimizer, save, load)
             zeroed = functools.partial(self._zeroed, binding, weakref.ref(optimizer))
@@ -410,15 +410,19 @@ class MasterWeights:
         self, optimizer: torch.optim.Optimizer, binding: Binding, group: dict[str, Any], index: int, saved: Any
     ) -> bool:
         """Give ``group["params"][index]`` its master (a low-precision parameter), bind a copied master to
-        its parameter, or continue a float32 parameter from its saved master (``checkpoint.continues``:
-        True)."""
+        its parameter, or continue a float32 parameter from its saved master (``checkpoint.continues``) or bind
+        it to a saved master it equals where it was float16/bfloat16 when saved (``checkpoint.narrowed``): True
+        for these two (``ContinuedWarning``)."""
         param = group["params"][index]
         value = saved.get("masters", {}).get(index)
         kept_wide = value is not None and param.dtype == torch.float32 and checkpoint.same(value, param.detach())
         every = self._sums is not None and self._sums.holding
+        continued = False
         if kept_wide or needs_master(param, every or trained(param, optimizer.state) or value is not None):
-            # kept_wide: a float32 parameter equal to its saved master, so bound in float32 when saved
-            # (``block.float()`` on a bound model): it keeps its master, through a later ``block.half()`` too
+            # kept_wide: a float32 parameter equal to its saved master, bound in float32 when saved (``block.float()``
+            # on a bound model), or float16 then and cast since (peft's load of adapters saved before any applied
+            # step: ``narrowed``, it continues in float32): it keeps its master, through a later ``block.half()`` too
+            continued = kept_wide and checkpoint.narrowed(value, param, saved.get("dtypes", {}).get(index))
             master = checkpoint.master_of(param, value)
             loaded = optimizer.state.pop(param, None)
             made = checkpoint.constructed(optimizer, master)
@@ -434,16 +438,16 @@ class MasterWeights:
         elif stands_in(param):  # a copied master: bound to its copied parameter, checked first
             pair = Pair(master=param, low=getattr(param, PARAM_ATTR))
         else:
-            continued = None if value is None else checkpoint.continues(value, param)
-            if continued is not None:
-                param.copy_(continued)
+            resumed = None if value is None else checkpoint.continues(value, param)
+            if resumed is not None:
+                param.copy_(resumed)
                 if param in optimizer.state:  # a checkpoint saved before its first move holds the state rounded
                     state = saved.get("state", {}).get(index)
                     optimizer.state[param] = checkpoint.exact_state(optimizer.state[param], state)
-            return continued is not None
+            return resumed is not None
         binding.pairs.append(pair)
         binding.by_master[id(pair.master)] = pair
-        return False
+        return continued
 
     def _owners(self) -> dict[int, weakref.ReferenceType[torch.optim.Optimizer]]:
         """The id of each parameter a master stands for -> a weak reference to that master's optimizer (the

@@ -181,6 +181,12 @@ class Binding:
             return None
         return (pair.pending if pair.pending is not None else pair.master).detach()
 
+    def saved_dtype(self, param: torch.Tensor) -> torch.dtype | None:
+        """The dtype a checkpoint names for the optimizer's parameter ``param``'s master: its parameter's now;
+        None when ``param`` is no master."""
+        pair = self.by_master.get(id(param))
+        return None if pair is None else pair.low.dtype
+
     def end(self) -> None:
         """The iteration is over: the next contact moves afresh (``masters`` also closes the clipping route)."""
         self.moved = False
