@@ -260,10 +260,66 @@ def experts_recipe(rank: int, world: int) -> dict[str, Any]:
     return {"params": params, "initial": [p.detach().clone() for p in Experts().parameters()]}
 
 
+def _frozen_at_register(model: nn.Module, frozen: bool) -> None:
+    for p in model[0].parameters():
+        p.requires_grad_(not frozen)
+
+
+def unfrozen_later_ours(rank: int) -> dict[str, Any]:
+    """Issue 46 item 5: the first layer frozen after DDP wrapped it (DDP reduces it) and before
+    ``register_ddp``, unfrozen after the first iteration: its sums are averaged like every other layer's."""
+    model = nn.parallel.DistributedDataParallel(make_net(), find_unused_parameters=True)
+    optimizer = make_optimizer("adamw", model.parameters())
+    _frozen_at_register(model.module, True)
+    s = GradScaler("cpu", init_scale=2.0**10, master_weights=True, accumulate_grads_in_fp32=True)
+    s.register_ddp(model)
+    params = []
+    for iteration in range(3):
+        if iteration == 1:
+            _frozen_at_register(model.module, False)
+        for micro in range(2):
+            with model.no_sync() if micro == 0 else contextlib.nullcontext():
+                s.scale(loss_of(model(batch(rank, 10 * iteration + micro)), 2)).backward()
+        s.step(optimizer)
+        s.update()
+        optimizer.zero_grad()
+        params.append([p.detach().clone() for p in model.parameters()])
+    return {"params": params}
+
+
+def unfrozen_later_recipe(rank: int, world: int) -> dict[str, Any]:
+    net = make_net()
+    lows = list(net.parameters())
+    copies = [p.detach().float().requires_grad_() for p in lows]
+    optimizer = make_optimizer("adamw", copies)
+    _frozen_at_register(net, True)
+    s = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    params = []
+    for iteration in range(3):
+        if iteration == 1:
+            _frozen_at_register(net, False)
+        for micro in range(2):
+            s.scale(loss_of(net(batch(rank, 10 * iteration + micro)), 2)).backward()
+            for p, c in zip(lows, copies, strict=True):
+                if p.grad is not None:
+                    g = p.grad.float()
+                    c.grad = g if c.grad is None else c.grad + g
+                    p.grad = None
+        present = [c for c in copies if c.grad is not None]
+        all_reduce_sums(present, world)
+        s.step(optimizer)
+        copy_back(lows, copies)
+        s.update()
+        optimizer.zero_grad()
+        params.append([p.detach().clone() for p in lows])
+    return {"params": params}
+
+
 def scenarios(rank: int, world: int) -> dict[str, Any]:
     return {
         "fsdp2": fsdp2(rank),
         "ddp": ddp(rank),
         "trained": trained(rank, world),
         "experts": {"ours": experts_ours(rank), "recipe": experts_recipe(rank, world)},
+        "unfrozen_later": {"ours": unfrozen_later_ours(rank), "recipe": unfrozen_later_recipe(rank, world)},
     }

@@ -75,3 +75,13 @@ def test_an_expert_one_rank_uses_gets_the_average_and_one_no_rank_uses_is_not_st
         assert not torch.equal(last["expert.weight"], initial["expert.weight"])  # stepped on rank 1 too
     first, second = (rank["experts"]["ours"] for rank in ranks)
     assert same(first["params"], second["params"])
+
+
+def test_a_layer_frozen_when_register_ddp_is_called_and_unfrozen_later_is_averaged(ranks: list[dict[str, Any]]) -> None:
+    """Issue 46 item 5: registered by what DDP reduces, not by what requires grad at the call (before the fix
+    the ranks drifted on that layer, silently)."""
+    for rank in ranks:
+        ours, recipe = rank["unfrozen_later"]["ours"], rank["unfrozen_later"]["recipe"]
+        assert same(ours["params"], recipe["params"])
+    first, second = (rank["unfrozen_later"]["ours"] for rank in ranks)
+    assert same(first["params"], second["params"])  # the ranks agree on every weight

@@ -49,11 +49,13 @@ class DataParallel:
 
     def register(self, module: Any) -> list[torch.Tensor]:
         """Take the process group of ``module`` (a DDP module, or a wrapper holding exactly one among its
-        submodules: ``find_ddp``) and the parameters DDP reduces (not ``parameters_to_ignore``); returns
-        those parameters."""
+        submodules: ``find_ddp``) and the parameters DDP reduces (not ``parameters_to_ignore``), frozen ones
+        too: DDP's reducer took those that required a gradient when it wrapped the module, which DDP does
+        not keep, and a layer frozen since (or before, and unfrozen later) would otherwise drift apart
+        across ranks, silently. Returns those parameters."""
         module = find_ddp(module)
         ignored: set[str] = getattr(module, "parameters_to_ignore", set())
-        params = [p for name, p in module.module.named_parameters() if p.requires_grad and name not in ignored]
+        params = [p for name, p in module.module.named_parameters() if name not in ignored]
         self._modules = [entry for entry in self._modules if entry[0]() not in (None, module)]
         self._modules.append((weakref.ref(module), module.process_group, frozenset(map(id, params))))
         return params
