@@ -6,8 +6,8 @@ stays float32) twice: ours, the user's optimizer given masters by the one line; 
 bfloat16 parameters in an optimizer of the copies (the float32 LayerNorm stepped as it is), each backward's
 gradient added into the copy's ``.grad`` in float32 (``copy.grad = p.grad.float()``, or ``copy.grad +
 p.grad.float()``), ``p.grad = None``, clipping over the copies, each copy written into its parameter after every
-step, and the copies' sums dropped at the first gradient after a step unless the optimizer's ``zero_grad`` ran
-(a loop that clears only the model's gradients, as the HF Trainer does, steps each iteration's sums alone).
+step; ``model.zero_grad()`` clears the copies' gradients too (the gradients the loop means, as the HF Trainer
+calls it), and a loop that clears nothing adds up across steps, as autograd does.
 Rules: a backward (with or without the ``block`` layer, so a parameter without a gradient), torch's
 ``clip_grad_norm_`` and ``clip_grad_value_`` over ``model.parameters()``, ``step``, ``optimizer.zero_grad`` and
 ``model.zero_grad`` both ways, freezing and unfreezing a layer (gradual unfreezing: frozen from the start too),
@@ -59,7 +59,6 @@ class Recipe:
     def __init__(self, net: Net, lr: float) -> None:
         self.net = net
         self.copies: dict[int, torch.Tensor] = {}
-        self.spent = False  # the copies' gradients were stepped: the next backward starts new sums
         self.optimizer = torch.optim.AdamW(self._stepped(net.base_params()), lr=lr)
 
     def _stepped(self, params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
@@ -77,10 +76,6 @@ class Recipe:
 
     def backward(self, number: int, use_block: bool) -> None:
         _loss(self.net, number, use_block).backward()
-        if self.spent and any(p.grad is not None for p in self.net.parameters() if id(p) in self.copies):
-            for copy in self.copies.values():  # the first gradient after a step: that step's sums are spent
-                copy.grad = None
-            self.spent = False
         for p in self.net.parameters():
             copy = self.copies.get(id(p))
             if copy is not None and p.grad is not None:
@@ -90,12 +85,14 @@ class Recipe:
     def stepped(self) -> list[torch.Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
-    def zero_grad(self, set_to_none: bool) -> None:
+    def zero_grad(self, set_to_none: bool, model: bool = False) -> None:
+        """The optimizer's ``zero_grad``, or the model's (``model``), which clears the copies' gradients too: the
+        loop means the parameters' gradients, which the copies hold (the HF Trainer's ``model.zero_grad()``)."""
+        if model:
+            self.net.zero_grad(set_to_none)
         self.optimizer.zero_grad(set_to_none)
-        self.spent = False
 
     def step(self) -> None:
-        self.spent = True
         self.optimizer.step()
         with torch.no_grad():
             for p in self.net.parameters():
@@ -179,12 +176,11 @@ class HeldMachine(RuleBasedStateMachine):
 
     @rule(set_to_none=st.booleans(), model=st.booleans())
     def zero_grad(self, set_to_none: bool, model: bool) -> None:
-        if model:  # the model's parameters only: the sums stay until the next backward, on both sides
+        if model:  # the model's: ours reaches the masters' sums (``Module.zero_grad``), the recipe clears its copies'
             self.mine.zero_grad(set_to_none)
-            self.theirs.zero_grad(set_to_none)
         else:
             self.optimizer.zero_grad(set_to_none)
-            self.recipe.zero_grad(set_to_none)
+        self.recipe.zero_grad(set_to_none, model)
 
     @rule(layer=st.sampled_from(LAYERS))
     def toggle_freeze(self, layer: str) -> None:
@@ -235,7 +231,6 @@ class HeldMachine(RuleBasedStateMachine):
             p.grad = None
         fresh = Recipe.__new__(Recipe)
         fresh.net, fresh.copies = recipe.net, {k: v.requires_grad_() for k, v in copies.items()}
-        fresh.spent = False
         groups = [[fresh.master_of(p) for p in recipe.net.base_params()]]
         if self.extra:
             groups.append([fresh.master_of(p) for p in recipe.net.extra.parameters()])

@@ -19,6 +19,7 @@ import torch
 import gradscaler
 from bf16_recipe import Copies, equal
 from gradscaler.masters import checks
+from gradscaler.masters.checks import HELD_ATTR
 from gradscaler.masters.standalone import NOTHING_MESSAGE
 
 MICRO = 4
@@ -299,11 +300,11 @@ def _partial_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, step
 
 
 @pytest.mark.parametrize("clearing", ["model.zero_grad", "none"])
-def test_a_loop_that_clears_the_models_gradients_or_none_steps_each_iterations_sums_alone(clearing: str) -> None:
-    """The HF Trainer calls ``model.zero_grad()`` after each step, which reaches no master (the model's
-    bfloat16 parameters hold no gradient): the first backward after a step drops the sums that step consumed,
-    so each step sees its own iteration's sums, and a parameter that got none in an iteration is not stepped
-    (as in the recipe, whose ``zero_grad`` clears the copies' gradients). Before: the sums carried over."""
+def test_model_zero_grad_clears_the_sums_and_a_loop_that_clears_nothing_adds_up(clearing: str) -> None:
+    """The HF Trainer calls ``model.zero_grad()``, which means the gradients the masters hold: it clears their
+    sums (``torch.nn.Module.zero_grad`` reaches them), as the recipe clears its copies'. A loop that clears
+    nothing adds every backward up across steps, as autograd adds into ``p.grad`` (and so does the recipe).
+    Step 1 reaches the last layer only: the first layer's sum of step 0 is stepped again or not."""
     batches = _batches()
     model = _model()
     params = list(model.parameters())
@@ -317,7 +318,8 @@ def test_a_loop_that_clears_the_models_gradients_or_none_steps_each_iterations_s
         torch.nn.utils.clip_grad_norm_(masters, CLIP)
         reference.step()
         recipe_copies.write_back()
-        reference.zero_grad()
+        if clearing == "model.zero_grad":
+            reference.zero_grad()
     expected = _state(model)
 
     model = _model()
@@ -327,11 +329,62 @@ def test_a_loop_that_clears_the_models_gradients_or_none_steps_each_iterations_s
             _partial_loss(model, x, y, index).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         optimizer.step()
-        held = [m.grad for g in optimizer.param_groups for m in g["params"]]
-        assert all(grad is not None for grad in held[2:])  # readable after the step, until the next backward
         if clearing == "model.zero_grad":
             model.zero_grad()
+            assert all(m.grad is None for g in optimizer.param_groups for m in g["params"])
     assert equal(_state(model), expected)
+
+
+@pytest.mark.parametrize("skip", ["continue", "torch-scaler"])
+def test_a_step_not_taken_leaves_nothing_behind_once_the_model_is_zeroed(skip: str) -> None:
+    """A loop that skips the step of a bad batch (``continue`` past a NaN loss, or torch's scaler finding an
+    inf) and clears with ``model.zero_grad()`` at the top of each iteration equals the recipe, whose zeroing
+    clears its copies: the bad sums go with the zeroing (before, they stayed in the masters and every later
+    step was bad)."""
+    batches = _batches(4)
+    dtype = torch.float16 if skip == "torch-scaler" else torch.bfloat16
+
+    def loss_of(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, index: int) -> torch.Tensor:
+        loss = ((model(x.to(dtype)).float() - y) ** 2).mean() / MICRO
+        return loss * float("nan" if skip == "continue" else "inf") if index == 1 else loss
+
+    def run(line: bool) -> tuple[list[torch.Tensor], list[float]]:
+        model = _model(dtype)
+        if line:
+            optimizer = gradscaler.with_master_weights(torch.optim.AdamW(model.parameters(), lr=1e-2))
+        else:  # the recipe by hand
+            copies = Copies(model.parameters())
+            optimizer = torch.optim.AdamW(copies.masters, lr=1e-2)
+        scaler = torch.amp.GradScaler("cpu", init_scale=8.0) if skip == "torch-scaler" else None
+        scales = []
+        for index, step in enumerate(batches):
+            model.zero_grad()
+            if not line:
+                optimizer.zero_grad()
+            for x, y in step:
+                loss = loss_of(model, x, y, index)
+                (loss if scaler is None else scaler.scale(loss)).backward()
+                if not line:
+                    copies.add()
+            if scaler is not None:
+                scaler.step(optimizer)
+                applied = not scaler._found_inf_per_device(optimizer)[torch.device("cpu")].item()
+                scaler.update()
+                scales.append(scaler.get_scale())
+            else:
+                applied = index != 1
+                if applied:
+                    optimizer.step()
+            if applied and not line:
+                copies.write_back()
+        return _state(model), scales
+
+    got, scales = run(line=True)
+    expected, expected_scales = run(line=False)
+    assert all(bool(torch.isfinite(p).all()) for p in got)
+    assert equal(got, expected) and scales == expected_scales
+    if skip == "torch-scaler":
+        assert scales == [8.0, 4.0, 4.0, 4.0], scales  # one skip, then applied steps
 
 
 def test_under_ddp_the_step_refuses_ddps_gradient_and_names_the_scalers_route(tmp_path: Any) -> None:
@@ -400,3 +453,101 @@ def test_a_scaler_without_masters_over_it_is_the_recipes_scaler_over_the_copies(
     assert all(n > CLIP for n in norms)
     assert equal(_state(model), expected)
     assert not equal(ours(_model(), batches, line=False)[0], expected)
+
+
+def test_refusals_before_anything_changes() -> None:
+    """LBFGS re-evaluates its closure at new points inside a step (the masters reach the parameters only after
+    it); an optimizer already stepping a scaler's masters would be bound twice."""
+    model = _model()
+    with pytest.raises(TypeError, match=r"^Use an optimizer that evaluates its closure once per step"):
+        gradscaler.with_master_weights(torch.optim.LBFGS(model.parameters()))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = gradscaler.GradScaler("cpu", master_weights=True)
+    (x, y), *_ = _batches(1)[0]
+    scaler.scale(_loss(model, x, y)).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    with pytest.raises(ValueError, match=r"^Leave out either gradscaler\.with_master_weights"):
+        gradscaler.with_master_weights(optimizer)
+    assert vars(optimizer).get(HELD_ATTR) is None
+
+
+def test_a_scaler_with_float32_sums_is_refused_at_scale_and_the_masters_keep_training() -> None:
+    """The scaler's first ``scale()`` would take the parameters' hooks over: refused there, nothing taken."""
+    batches = _batches()
+    expected, _ = recipe(_model(), batches)
+    model = _model()
+    optimizer = gradscaler.with_master_weights(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    scaler = gradscaler.GradScaler("cpu", master_weights=True, accumulate_grads_in_fp32=True)
+    (x, y), *_ = batches[0]
+    with pytest.raises(ValueError, match=r"^Build the scaler without master_weights"):
+        scaler.scale(_loss(model, x, y))
+    del scaler
+    train(model, optimizer, batches)
+    assert equal(_state(model), expected)
+
+
+def test_called_again_after_the_cast_it_binds_then() -> None:
+    """The warning for an optimizer of float32 parameters says to call it after the cast: that call binds."""
+    batches = _batches()
+    expected, _ = recipe(_model(), batches)
+    model = _model(torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with pytest.warns(UserWarning, match="after the model is cast"):
+        gradscaler.with_master_weights(optimizer)
+    model.to(torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gradscaler.with_master_weights(optimizer)
+        train(model, optimizer, batches)
+    assert equal(_state(model), expected)
+
+
+def test_a_frozen_parameter_written_inside_the_closure_keeps_the_write() -> None:
+    """Lightning runs the training step inside ``optimizer.step(closure)``: an in-place update of a frozen
+    parameter there (a running statistic kept as a parameter) is not overwritten by its master."""
+    model = _model()
+    model[2].bias.requires_grad_(False)
+    optimizer = gradscaler.with_master_weights(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    written = []
+    for step in _batches():
+
+        def closure(step: list = step) -> torch.Tensor:
+            for x, y in step:
+                _loss(model, x, y).backward()
+            with torch.no_grad():
+                model[2].bias.add_(1.0)
+            written.append(model[2].bias.detach().clone())
+            return torch.zeros(())
+
+        optimizer.step(closure)
+        assert torch.equal(model[2].bias, written[-1])
+        optimizer.zero_grad()
+
+
+def test_torchs_clipping_imported_by_name_is_warned_about() -> None:
+    """Bound by name before the route (a user's module that ran ``from torch.nn.utils import clip_grad_norm_``
+    first), torch's own clip_grad_norm_ finds no gradient in the parameters: the line warns, naming it."""
+    loop = {"__name__": "user_loop"}
+    exec(  # a module of the user's, whose import ran before the route was installed
+        "import gradscaler\n"
+        "from gradscaler.masters import torch_clip_grad_norm_ as clip_grad_norm_\n"
+        "def wrap(optimizer):\n"
+        "    return gradscaler.with_master_weights(optimizer)\n",
+        loop,
+    )
+    with pytest.warns(UserWarning, match="module user_loop holds torch's own clip_grad_norm_ as clip_grad_norm_"):
+        loop["wrap"](torch.optim.SGD(_model().parameters(), lr=0.1))
+
+
+def test_a_deep_copied_model_and_optimizer_train_once_the_line_is_called_on_the_copy() -> None:
+    """torch's ``Optimizer.__getstate__`` keeps no hook: the copy's masters are bound again by the line."""
+    batches = _batches()
+    expected, _ = recipe(_model(), batches)
+    model = _model()
+    optimizer = gradscaler.with_master_weights(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    copied_model, copied = copy.deepcopy((model, optimizer))
+    gradscaler.with_master_weights(copied)
+    train(copied_model, copied, batches)
+    assert equal(_state(copied_model), expected)
+    assert equal(_state(model), _state(_model()))  # the original untouched

@@ -367,6 +367,9 @@ FIXES = ("Build", "Call", "Enable", "Keep", "Leave", "Pass", "Register", "Save",
         "checks.HELD_DDP_MESSAGE",
         "standalone.NOTHING_MESSAGE",
         "standalone.NOT_AN_OPTIMIZER_MESSAGE",
+        "standalone.RE_EVALUATING_MESSAGE",
+        "standalone.SCALERS_MASTERS_MESSAGE",
+        "standalone.DISTRIBUTED_MESSAGE",
     ],
 )
 def test_each_refusal_leads_with_what_to_do(message: str) -> None:

@@ -46,6 +46,7 @@ from gradscaler.masters.checks import (
     CREATE_GRAPH_MESSAGE,
     DDP_MESSAGE,
     FSDP2_MESSAGE,
+    HELD_MESSAGE,
     HIDDEN_MESSAGE,
     LATE_MESSAGE,
     LATER_HOOK_MESSAGE,
@@ -97,16 +98,13 @@ class Sum:
     @compiled.eager  # autograd calls it inside a compiled step's backward: one frame per parameter otherwise
     def __call__(self, param: torch.Tensor) -> None:
         grad = param.grad
-        owner = self.owner()
-        if grad is None or param._cdata != self.impl or owner is None:
+        if grad is None or param._cdata != self.impl or self.owner() is None:
             return  # a copy of the parameter that shares the hook, or a scaler that is gone
         if grad.layout is not torch.strided or grad.requires_grad:
             param.grad = None  # a refused backward leaves nothing behind: the first hook of it refuses
             if grad.layout is not torch.strided:
                 raise ValueError(SPARSE_MESSAGE.format(shape=tuple(param.shape), dtype=param.dtype, layout=grad.layout))
             raise RuntimeError(CREATE_GRAPH_MESSAGE.format(shape=tuple(param.shape), dtype=param.dtype))
-        if owner.spent:
-            owner.drop_spent()  # the first gradient since a step without a scaler: that step's sums are spent
         master = None if self.master is None else self.master()
         if master is None:
             if self.fresh or self.total is None:
@@ -238,8 +236,6 @@ class Accumulation:
         # gets a master and a hook at once, frozen or not, since no scale() comes to hook it once unfrozen
         self.holding = False
         self.ddp = DataParallel()  # the parameters of registered DDP modules: their sums averaged at the move
-        # id -> a weak reference to each binding whose masters' gradients a step without a scaler consumed (``spend``)
-        self.spent: dict[int, weakref.ReferenceType[Binding]] = {}
 
     def watch(self, output: Any, bound: Callable[[], list[torch.Tensor]]) -> Any:
         """At ``scale()``: hook the low-precision parameters of ``output``'s graph (first iteration only);
@@ -274,9 +270,12 @@ class Accumulation:
         if found is not None:
             found.follow(param)
             return found
+        others = [h for h in (getattr(param, "_post_accumulate_grad_hooks", None) or {}).values() if isinstance(h, Sum)]
+        if any(getattr(other.owner(), "holding", False) for other in others if other.owner() is not self):
+            raise ValueError(HELD_MESSAGE)  # the parameter is with_master_weights': nothing taken over
         found = Sum(param, self)
-        for other in list((getattr(param, "_post_accumulate_grad_hooks", None) or {}).values()):
-            if isinstance(other, Sum) and other.owner() is not self:
+        for other in others:
+            if other.owner() is not self:
                 found.take_over(other)  # another scaler's: this one took its optimizer over (one binding steers)
         frozen = not param.requires_grad  # torch refuses a hook on it, and keeps one made before a freeze
         if frozen:
@@ -363,27 +362,6 @@ class Accumulation:
                 found.total, found.fresh = None, True
             else:
                 found.total.zero_()
-
-    def spend(self, binding: Binding) -> None:
-        """After a step of an optimizer that no scaler steps (``standalone``): its masters' gradients are spent.
-        They stay readable until the next backward, whose first gradient drops them (``drop_spent``): each step
-        sees its own iteration's sums, whichever ``zero_grad`` the loop calls (the HF Trainer calls
-        ``model.zero_grad()``, which reaches no master), and a master whose parameter got no gradient since is
-        not stepped, as a loop without masters leaves the parameter. One entry per binding, not per master."""
-        self.spent[id(binding)] = weakref.ref(binding)
-
-    def unspend(self, binding: Binding) -> None:
-        """The optimizer's own ``zero_grad``: its masters' gradients are cleared as the loop asked (zeros the
-        next gradient adds to, as for any float32 gradient, or None)."""
-        self.spent.pop(id(binding), None)
-
-    def drop_spent(self) -> None:
-        """The first gradient since a step: the spent gradients go (``spend``)."""
-        spent, self.spent = self.spent, {}
-        for ref in spent.values():
-            binding = ref()
-            for pair in [] if binding is None else binding.pairs:
-                pair.master.grad = None
 
     def added(self, params: list[torch.Tensor]) -> None:
         """A bound optimizer's ``add_param_group``: its new low-precision parameters are hooked now, before

@@ -64,10 +64,10 @@ HELD_ATTR = "_gradscaler_held_by"
 """The attribute of an optimizer ``with_master_weights`` gave masters: the ``MasterWeights`` that steer them."""
 
 HELD_MESSAGE = (
-    "Build the scaler without master_weights (GradScaler(), or torch.amp.GradScaler()): this optimizer has "
-    "float32 masters already (gradscaler.with_master_weights(optimizer)), whose float32 gradients any scaler "
-    "unscales and checks as the recipe by hand's scaler does. A GradScaler with master_weights=True would "
-    "bind them a second time; nothing was changed."
+    "Build the scaler without master_weights (GradScaler(master_weights=False), or torch's own scaler): "
+    "this optimizer has float32 masters already (gradscaler.with_master_weights(optimizer)), whose float32 "
+    "gradients any scaler unscales and checks as the recipe by hand's scaler does. A GradScaler with "
+    "master_weights=True would bind them a second time; nothing was changed."
 )
 
 

@@ -218,6 +218,7 @@ class MasterWeights:
                     raise ValueError(HELD_DDP_MESSAGE.format(name=self._name(optimizer, pair, number)))
         self._sums.refuse(binding, functools.partial(self._name, optimizer), before_step=True)
         route_clipping()
+        self._sums.check_clipping()  # torch's clipping bound by name on the caller's stack: a warning, once
         with torch.no_grad():
             for pair in binding.pairs:
                 if refresh and pair.written():
@@ -228,17 +229,13 @@ class MasterWeights:
         return binding
 
     def copy_back(self, optimizer: torch.optim.Optimizer) -> None:
-        """After a step of an optimizer ``hold`` keeps: every master into its parameter."""
+        """After a step of an optimizer ``hold`` keeps: each master the step could have moved (it has a
+        gradient) into its parameter. The others are left as they are: a frozen parameter written in place
+        inside the step's closure keeps the write (the next step's ``hold`` takes it into its master)."""
         binding = self._bindings.get(optimizer)
         if binding is not None:
             with torch.no_grad():
-                binding.copy_back(None)
-
-    def spend(self, optimizer: torch.optim.Optimizer) -> None:
-        """After a step of an optimizer ``hold`` keeps: its masters' gradients are spent (``Accumulation.spend``)."""
-        binding = self._bindings.get(optimizer)
-        if binding is not None and self._sums is not None:
-            self._sums.spend(binding)
+                binding.copy_back(None, [pair for pair in binding.pairs if pair.master.grad is not None])
 
     @staticmethod
     def _move(
@@ -401,7 +398,6 @@ class MasterWeights:
             binding.zeroed_kept()
         if self._sums is None:
             return
-        self._sums.unspend(binding)
         optimizer = ref()
         if optimizer is not None and not self._sums.holding:  # held: every hook has its master, no sum waits
             self._sums.clear_held(list(grads.iter_params(optimizer)), set_to_none)

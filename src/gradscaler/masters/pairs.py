@@ -135,18 +135,19 @@ class Binding:
     def lows(self) -> list[torch.Tensor]:
         return [pair.low for pair in self.pairs]
 
-    def copy_back(self, skipped: torch.Tensor | None) -> None:
-        """``Pair.copy_back`` for every pair; the plain tensors that simply take their masters' values in one
-        multi-tensor copy (one launch per device and dtype, not one per parameter). DTensors, which have
-        no multi-tensor copy, and parameters a fused skip may keep, one by one."""
-        plain = [p for p in self.pairs if (skipped is None or p.exact) and _storage(p.low) is not None]
+    def copy_back(self, skipped: torch.Tensor | None, pairs: list[Pair] | None = None) -> None:
+        """``Pair.copy_back`` for every pair (or those of ``pairs``); the plain tensors that simply take their
+        masters' values in one multi-tensor copy (one launch per device and dtype, not one per parameter).
+        DTensors, which have no multi-tensor copy, and parameters a fused skip may keep, one by one."""
+        pairs = self.pairs if pairs is None else pairs
+        plain = [p for p in pairs if (skipped is None or p.exact) and _storage(p.low) is not None]
         if plain:
             torch._foreach_copy_([pair.low for pair in plain], [pair.master for pair in plain])  # type: ignore[misc]
             for pair in plain:
                 pair.exact = True
                 pair.seen()
         copied = {id(pair) for pair in plain}
-        for pair in self.pairs:
+        for pair in pairs:
             if id(pair) not in copied:
                 pair.copy_back(skipped)
 

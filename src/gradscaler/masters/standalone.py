@@ -40,9 +40,10 @@ from typing import Any
 import torch
 
 from gradscaler.errors import warn
-from gradscaler.masters.checks import HELD_ATTR
+from gradscaler.masters.checks import HELD_ATTR, PARAM_ATTR
 from gradscaler.masters.lifecycle import MasterWeights
-from gradscaler.masters.wrappers import unwrap
+from gradscaler.masters.pairs import Binding
+from gradscaler.masters.wrappers import ZeroGradBoth, unwrap
 
 NOTHING_MESSAGE = (
     "Call gradscaler.with_master_weights(optimizer) after the model is cast to bfloat16/float16 (after "
@@ -57,14 +58,77 @@ NOT_AN_OPTIMIZER_MESSAGE = (
     "model.parameters()))); got {kind}."
 )
 
+RE_EVALUATING_MESSAGE = (
+    "Use an optimizer that evaluates its closure once per step, or keep the model in float32 for {name}. "
+    "{name} evaluates its closure at new points inside one step, and with_master_weights writes the masters "
+    "into the bfloat16 parameters only after the step, so each evaluation would see the old weights."
+)
+
+SCALERS_MASTERS_MESSAGE = (
+    "Leave out either gradscaler.with_master_weights(optimizer) or the scaler's master_weights=True: this "
+    "optimizer already steps a GradScaler(master_weights=True)'s float32 masters. Nothing was changed."
+)
+
+DISTRIBUTED_MESSAGE = (
+    "Use the scaler's route with several processes: scaler = gradscaler.GradScaler.for_bf16(device, "
+    "master_weights=True, accumulate_grads_in_fp32=True) over a plain optimizer, and under DDP "
+    "scaler.register_ddp(ddp_model) (docs/bfloat16.md, Limits). with_master_weights sums each backward into "
+    "the masters on this process only and averages nothing across the {world} ranks of the default process "
+    "group. Nothing was changed."
+)
+
+# id of each parameter whose gradient a master of ``with_master_weights`` holds -> a weak reference to that master:
+# ``Module.zero_grad`` (``_zero_grad``) clears the master's gradient with the parameter's, as the HF Trainer's
+# ``model.zero_grad()`` means to (keyed by id and weak on the master only, as ``wrappers.route`` is)
+_HELD: dict[int, weakref.ReferenceType[torch.Tensor]] = {}
+_HOLDER_ATTR = "_gradscaler_held"
+"""The attribute of an optimizer ``with_master_weights`` gave masters: its ``Held``."""
+_module_zero_grad = torch.nn.Module.zero_grad
+"""torch's own ``Module.zero_grad``."""
+
+
+def _zero_grad(self: torch.nn.Module, set_to_none: bool = True) -> None:
+    """``torch.nn.Module.zero_grad`` while an optimizer has masters from ``with_master_weights``: torch's, then
+    the same for the masters' float32 sums of this module's parameters (their ``.grad`` is None: the sums
+    are the gradients ``model.zero_grad()`` means to clear)."""
+    _module_zero_grad(self, set_to_none)
+    if not _HELD:
+        return
+    for param in self.parameters():
+        ref = _HELD.get(id(param))
+        master = None if ref is None else ref()
+        if master is None or master.grad is None or getattr(master, PARAM_ATTR, None) is not param:
+            continue
+        if set_to_none:
+            master.grad = None
+        else:
+            master.grad.requires_grad_(False)
+            master.grad.zero_()
+
+
+def _note(binding: Binding) -> None:
+    """``binding``'s masters hold their parameters' gradients: ``model.zero_grad()`` reaches them."""
+    for pair in binding.pairs:
+        key = id(pair.low)
+
+        def gone(ref: weakref.ReferenceType[torch.Tensor], key: int = key) -> None:
+            if _HELD.get(key) is ref:
+                del _HELD[key]
+
+        _HELD[key] = weakref.ref(pair.master, gone)
+    if torch.nn.Module.zero_grad is _module_zero_grad:
+        torch.nn.Module.zero_grad = _zero_grad  # type: ignore[method-assign]
+
 
 class Held:
     """The masters of one optimizer that no scaler steps, and the step hooks that keep them."""
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.masters = MasterWeights(accumulate=True)
-        binding = self.masters.hold(optimizer)
+        self.count = -1  # pairs when last noted for ``model.zero_grad()``
+        binding = self.hold(optimizer)
         setattr(optimizer, HELD_ATTR, self.masters)
+        setattr(optimizer, _HOLDER_ATTR, self)
         # torch's own hooks, run inside every step, whoever calls it; the load hook runs after the masters'
         # own (which closes the clipping route) and routes again
         self.handles = [
@@ -78,12 +142,18 @@ class Held:
         if not binding.pairs:
             warn(NOTHING_MESSAGE.format(name=type(optimizer).__name__), UserWarning)
 
+    def hold(self, optimizer: torch.optim.Optimizer, refresh: bool = True) -> Binding:
+        binding = self.masters.hold(optimizer, refresh)
+        if len(binding.pairs) != self.count:
+            _note(binding)
+            self.count = len(binding.pairs)
+        return binding
+
     def before(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        self.masters.hold(optimizer)
+        self.hold(optimizer)
 
     def after(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.masters.copy_back(optimizer)
-        self.masters.spend(optimizer)  # the next backward starts new sums, whichever zero_grad the loop calls
         self.masters.watch(None)  # parameters unfrozen since: hooked before the next backward
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -92,10 +162,10 @@ class Held:
         self.checked(param_group)
         optimizer = self.ref()
         if optimizer is not None:
-            self.masters.hold(optimizer)
+            self.hold(optimizer)
 
     def loaded(self, optimizer: torch.optim.Optimizer) -> None:
-        self.masters.hold(optimizer, refresh=False)  # a loaded master waits for the model's load, if it comes
+        self.hold(optimizer, refresh=False)  # a loaded master waits for the model's load, if it comes
 
 
 def with_master_weights(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -104,11 +174,25 @@ def with_master_weights(optimizer: torch.optim.Optimizer) -> torch.optim.Optimiz
 
     One line in each client: the optimizer handed to the Trainer, Accelerate's ``prepare``, Lightning's
     ``configure_optimizers`` or Fabric's ``setup``; ``GradScaler(master_weights=True)`` is the same
-    mechanism for a float16 loop that scales its loss. Calling it again on the same optimizer changes
-    nothing. docs/bfloat16.md shows each client's line."""
+    mechanism for a float16 loop that scales its loss. Calling it again on the same optimizer binds what
+    is new (a model cast to bfloat16 since the first call). Refused: an optimizer that evaluates its
+    closure at new points inside a step (LBFGS), one a scaler's masters are bound to, and several
+    processes (the scaler's route averages the sums across ranks). docs/bfloat16.md shows each client's
+    line."""
     inner = unwrap(optimizer)
     if not isinstance(inner, torch.optim.Optimizer):
         raise TypeError(NOT_AN_OPTIMIZER_MESSAGE.format(kind=type(optimizer).__name__))
-    if vars(inner).get(HELD_ATTR) is None:
-        Held(inner)
+    held = vars(inner).get(_HOLDER_ATTR)
+    if held is not None:
+        held.hold(inner)
+        return optimizer
+    if isinstance(inner, torch.optim.LBFGS):
+        raise TypeError(RE_EVALUATING_MESSAGE.format(name=type(inner).__name__))
+    if isinstance(vars(inner).get("zero_grad"), ZeroGradBoth):  # a scaler's live binding (a copy has none)
+        raise ValueError(SCALERS_MASTERS_MESSAGE)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        world = torch.distributed.get_world_size()
+        if world > 1:
+            raise ValueError(DISTRIBUTED_MESSAGE.format(world=world))
+    Held(inner)
     return optimizer
