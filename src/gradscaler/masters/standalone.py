@@ -10,18 +10,18 @@ first iteration is no special state), and torch's own step hooks do the rest:
 
 * **Gradients.** Each float16/bfloat16 parameter's post-accumulate-grad hook adds every backward's gradient
   into its master's ``.grad`` in float32 and leaves ``p.grad`` None (``accumulate``). The masters' gradients
-  behave as any float32 parameter's: they add up across backwards until ``optimizer.zero_grad()`` clears them,
-  or until the first backward after a step, which drops the sums that step consumed (``Accumulation.spend``):
-  a loop that clears the model's gradients instead (the HF Trainer's ``model.zero_grad()``, which reaches no
-  master) steps each iteration's sums alone, as it does without masters. That is where a reader finds them:
-  the ``.grad`` of the parameters the optimizer holds, until the next backward.
+  behave as the parameters' own would: they add up across backwards until ``optimizer.zero_grad()`` or
+  ``model.zero_grad()`` clears them (the HF Trainer calls the latter: ``torch.nn.Module.zero_grad`` is wrapped,
+  while an optimizer has masters from the line, to clear the sums of the module's parameters, ``_zero_grad``).
+  That is where a reader finds them: the ``.grad`` of the parameters the optimizer holds.
 * **Clipping.** ``torch.nn.utils.clip_grad_norm_``/``clip_grad_value_`` over ``model.parameters()`` clip the
   masters' sums (``wrappers.route``: Accelerate's, the HF Trainer's and nanoGPT's call); over the optimizer's
   parameters (Lightning's ``gradient_clip_val``) they are the masters already.
 * **Values.** Every float16/bfloat16 parameter in the groups gets a master and a hook, a frozen one too (no
   ``scale()`` comes to hook it once unfrozen: gradual unfreezing sums in float32 from its first backward), and
   so does each of a group ``add_param_group`` adds, at once. A step pre-hook refreshes a master whose parameter
-  was written since the last step (a model load); a step post-hook copies the masters into the parameters.
+  was written since the last step (a model load); a step post-hook copies each master with a gradient into
+  its parameter (a frozen parameter written in place inside the step's closure keeps the write).
 * **Checkpoints.** The optimizer's ``state_dict`` carries the masters and their float32 state, as with a
   scaler's masters (``checkpoint``); a model saved alone is a plain bfloat16 model.
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradscaler.masters import with_master_weights
+from gradscaler.masters import torch_clip_grad_norm_, with_master_weights
 from gradscaler.tools.bench_accumulate import _loss, _tiny
 from gradscaler.tools.harness import spread
 from gradscaler.tools.memory import storage_bytes
@@ -42,6 +42,12 @@ def _system(line: bool, device: torch.device, width: int, layers: int) -> tuple[
     return model, with_master_weights(optimizer) if line else optimizer
 
 
+def _clip(line: bool) -> Any:
+    """The clipping each loop calls: the routed one with the line; torch's own without it (in this process the
+    line installed the route, which a process without it would not have)."""
+    return torch.nn.utils.clip_grad_norm_ if line else torch_clip_grad_norm_
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -59,7 +65,7 @@ def memory_section(device: torch.device, micro: int = 4, width: int = 128, layer
                 (_loss(model, tokens) / micro).backward()
                 if k == 1:
                     points["between_micro_batches"] = _held(model, optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            _clip(line)(model.parameters(), 1.0)
             points["before_step"] = _held(model, optimizer)
             optimizer.step()
             points["after_step"] = _held(model, optimizer)
@@ -83,7 +89,7 @@ def time_section(
                 (_loss(model, tokens) / micro).backward()
             _sync(device)
             middle = time.perf_counter()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            _clip(bool(index))(model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad()
             _sync(device)
