@@ -126,7 +126,7 @@ def _same_outcome(mine: Any, theirs: Any) -> None:
 def _next_value(optimizer: torch.optim.Optimizer, master: torch.Tensor) -> torch.Tensor:
     """The value ``master`` steps from: a master loaded with the optimizer's checkpoint before the model's waits
     for the model's load (``Pair.pending``) and is taken at the next step's pre-hook."""
-    binding = vars(optimizer)[HELD_ATTR]._bindings.get(optimizer)
+    binding = vars(optimizer)[HELD_ATTR].masters._bindings.get(optimizer)
     pair = None if binding is None else binding.by_master.get(id(master))
     if pair is not None and pair.pending is not None and pair.written():
         return pair.pending

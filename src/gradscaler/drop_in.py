@@ -211,8 +211,12 @@ class _Unreached:
         if optimizer in self.met:
             return
         self.met.add(optimizer)
-        low = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        low = [p for p in low if p.dtype in (torch.float16, torch.bfloat16)]
+        low = [
+            p
+            for g in optimizer.param_groups
+            for p in g["params"]
+            if p.grad is not None and p.dtype in masters.LOW_PRECISION
+        ]
         if low:
             dtype = str(low[0].dtype).replace("torch.", "")
             warn(UNREACHED_MESSAGE.format(name=type(optimizer).__name__, count=len(low), dtype=dtype), UserWarning)

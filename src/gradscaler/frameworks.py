@@ -22,9 +22,7 @@ import math
 import sys
 from typing import Any
 
-import torch
-
-from gradscaler.masters import unwrap, with_master_weights
+from gradscaler.masters import LOW_PRECISION, unwrap, with_master_weights
 from gradscaler.scaler import GradScaler
 
 __all__ = [  # noqa: F822 (the three callbacks: module __getattr__)
@@ -166,7 +164,7 @@ def _masters_callback_class() -> type:
             # an optimizer of float32 parameters only (a float32 model under autocast, PEFT's float32 adapters
             # over a frozen bfloat16 model) steps float32 gradients already: nothing to do, nothing to say
             groups = [] if optimizer is None else unwrap(optimizer).param_groups
-            if any(p.dtype in (torch.float16, torch.bfloat16) for group in groups for p in group["params"]):
+            if any(p.dtype in LOW_PRECISION for group in groups for p in group["params"]):
                 with_master_weights(optimizer)
 
     MasterWeightsCallback.__module__ = __name__

@@ -33,7 +33,7 @@ scaler's ``master_weights`` and ``accumulate_grads_in_fp32`` ask for).
 """
 
 from gradscaler.masters.checkpoint import SAVED_KEY, ContinuedWarning
-from gradscaler.masters.checks import WITHOUT_MASTERS_MESSAGE
+from gradscaler.masters.checks import LOW_PRECISION, WITHOUT_MASTERS_MESSAGE
 from gradscaler.masters.lifecycle import MasterWeights, Moved, NoMasters
 from gradscaler.masters.standalone import with_master_weights
 from gradscaler.masters.wrappers import (
@@ -47,6 +47,7 @@ from gradscaler.masters.wrappers import (
 
 __all__ = [
     "DEFAULTS",
+    "LOW_PRECISION",
     "ROUTED_CLIPPING",
     "SAVED_KEY",
     "WITHOUT_MASTERS_MESSAGE",

@@ -46,6 +46,7 @@ from gradscaler.masters.checks import (
     CREATE_GRAPH_MESSAGE,
     DDP_MESSAGE,
     FSDP2_MESSAGE,
+    HELD_DDP_MESSAGE,
     HELD_MESSAGE,
     HIDDEN_MESSAGE,
     LATE_MESSAGE,
@@ -428,7 +429,8 @@ class Accumulation:
                     self.revive(binding.lows())
                     raise ValueError(SWAPPED_MESSAGE.format(name=name(pair, number), dtype=pair.low.dtype))
                 ddp = torch.distributed.is_available() and torch.distributed.is_initialized()
-                raise ValueError((DDP_MESSAGE if ddp else WRITTEN_MESSAGE).format(name=name(pair, number)))
+                reduced = HELD_DDP_MESSAGE if self.holding else DDP_MESSAGE  # no register_ddp without a scaler
+                raise ValueError((reduced if ddp else WRITTEN_MESSAGE).format(name=name(pair, number)))
             if before_step:
                 continue
             found = self.sum_of(pair.low)

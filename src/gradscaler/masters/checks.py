@@ -61,7 +61,8 @@ DISABLED_MESSAGE = (
 
 
 HELD_ATTR = "_gradscaler_held_by"
-"""The attribute of an optimizer ``with_master_weights`` gave masters: the ``MasterWeights`` that steer them."""
+"""The attribute of an optimizer ``with_master_weights`` gave masters: its ``standalone.Held``, whose
+``masters`` (a ``MasterWeights``) steer them."""
 
 HELD_MESSAGE = (
     "Build the scaler without master_weights (GradScaler(master_weights=False), or torch's own scaler): "
@@ -85,7 +86,7 @@ def refuse_held(optimizer: torch.optim.Optimizer, masters: object) -> None:
     """``ValueError`` (``HELD_MESSAGE``) when ``with_master_weights`` gave ``optimizer`` masters that
     ``masters`` (a scaler's) are not."""
     held = vars(optimizer).get(HELD_ATTR)
-    if held is not None and held is not masters:
+    if held is not None and held.masters is not masters:
         raise ValueError(HELD_MESSAGE)
 
 

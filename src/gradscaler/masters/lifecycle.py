@@ -47,7 +47,6 @@ from gradscaler.masters import checkpoint
 from gradscaler.masters.accumulate import Accumulation
 from gradscaler.masters.checkpoint import SAVED_KEY
 from gradscaler.masters.checks import (
-    HELD_DDP_MESSAGE,
     PARAM_ATTR,
     WRITTEN_LOW_GRADS_MESSAGE,
     check_inner_optimizers,
@@ -212,10 +211,6 @@ class MasterWeights:
         count = -1 if known is None else len(known.pairs)
         binding = self._bind(optimizer)
         settled = refresh and binding is known and len(binding.pairs) == count  # nothing new: sums and routes hold
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            for number, pair in enumerate(binding.pairs):
-                if pair.low.grad is not None:  # DDP's reduced gradient, written after the sums took theirs
-                    raise ValueError(HELD_DDP_MESSAGE.format(name=self._name(optimizer, pair, number)))
         self._sums.refuse(binding, functools.partial(self._name, optimizer), before_step=True)
         route_clipping()
         self._sums.check_clipping()  # torch's clipping bound by name on the caller's stack: a warning, once

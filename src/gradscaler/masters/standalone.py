@@ -81,8 +81,6 @@ DISTRIBUTED_MESSAGE = (
 # ``Module.zero_grad`` (``_zero_grad``) clears the master's gradient with the parameter's, as the HF Trainer's
 # ``model.zero_grad()`` means to (keyed by id and weak on the master only, as ``wrappers.route`` is)
 _HELD: dict[int, weakref.ReferenceType[torch.Tensor]] = {}
-_HOLDER_ATTR = "_gradscaler_held"
-"""The attribute of an optimizer ``with_master_weights`` gave masters: its ``Held``."""
 _module_zero_grad = torch.nn.Module.zero_grad
 """torch's own ``Module.zero_grad``."""
 
@@ -127,8 +125,7 @@ class Held:
         self.masters = MasterWeights(accumulate=True)
         self.count = -1  # pairs when last noted for ``model.zero_grad()``
         binding = self.hold(optimizer)
-        setattr(optimizer, HELD_ATTR, self.masters)
-        setattr(optimizer, _HOLDER_ATTR, self)
+        setattr(optimizer, HELD_ATTR, self)
         # torch's own hooks, run inside every step, whoever calls it; the load hook runs after the masters'
         # own (which closes the clipping route) and routes again
         self.handles = [
@@ -182,7 +179,7 @@ def with_master_weights(optimizer: torch.optim.Optimizer) -> torch.optim.Optimiz
     inner = unwrap(optimizer)
     if not isinstance(inner, torch.optim.Optimizer):
         raise TypeError(NOT_AN_OPTIMIZER_MESSAGE.format(kind=type(optimizer).__name__))
-    held = vars(inner).get(_HOLDER_ATTR)
+    held = vars(inner).get(HELD_ATTR)
     if held is not None:
         held.hold(inner)
         return optimizer

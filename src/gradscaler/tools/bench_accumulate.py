@@ -43,7 +43,7 @@ from torch import nn
 
 from gradscaler import GradScaler
 from gradscaler.tools.harness import spread
-from gradscaler.tools.memory import storage_bytes
+from gradscaler.tools.memory import bytes_per_parameter
 from gradscaler.tools.toy_model import TinyGPT
 
 DTYPES = {"float16": (torch.float16, 1024.0), "bfloat16": (torch.bfloat16, 1.0)}
@@ -157,11 +157,7 @@ def training_section(device: torch.device, steps: int = 12, micro: int = 64) -> 
 
 def _held(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: GradScaler) -> float:
     """Bytes per model parameter now: parameters, every gradient, masters, optimizer state."""
-    params = list(model.parameters())
-    masters = [m for _, m in scaler.master_weights(optimizer)]
-    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    grads = [p.grad for p in params] + [m.grad for m in masters]
-    return storage_bytes([*params, *grads, *masters, *state]) / sum(p.numel() for p in params)
+    return bytes_per_parameter(model, optimizer, [m for _, m in scaler.master_weights(optimizer)])
 
 
 def memory_section(device: torch.device, micro: int = 4, width: int = 256, layers: int = 4) -> list[dict[str, Any]]:

@@ -22,18 +22,14 @@ from torch import nn
 from gradscaler.masters import torch_clip_grad_norm_, with_master_weights
 from gradscaler.tools.bench_accumulate import _loss, _tiny
 from gradscaler.tools.harness import spread
-from gradscaler.tools.memory import storage_bytes
+from gradscaler.tools.memory import bytes_per_parameter
 
 SYSTEMS = ("without the line", "with_master_weights")
 
 
 def _held(model: nn.Module, optimizer: torch.optim.Optimizer) -> float:
-    """Bytes per model parameter now: parameters, masters, every gradient, optimizer state."""
-    params = list(model.parameters())
-    stepped = [p for group in optimizer.param_groups for p in group["params"]]
-    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    grads = [p.grad for p in params] + [m.grad for m in stepped]
-    return storage_bytes([*params, *stepped, *grads, *state]) / sum(p.numel() for p in params)
+    """Bytes per model parameter now: parameters, masters (the optimizer's parameters), gradients, state."""
+    return bytes_per_parameter(model, optimizer, [p for group in optimizer.param_groups for p in group["params"]])
 
 
 def _system(line: bool, device: torch.device, width: int, layers: int) -> tuple[nn.Module, torch.optim.Optimizer]:

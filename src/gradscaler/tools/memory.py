@@ -70,6 +70,14 @@ def storage_bytes(tensors: Iterable[torch.Tensor | None], seen: set[tuple[str, i
     return total
 
 
+def bytes_per_parameter(model: torch.nn.Module, optimizer: torch.optim.Optimizer, masters: list[torch.Tensor]) -> float:
+    """Bytes per model parameter held now: the parameters, ``masters``, every gradient of both, the optimizer's
+    state (distinct storages, each counted once)."""
+    params = list(model.parameters())
+    grads = [p.grad for p in params] + [m.grad for m in masters]
+    return storage_bytes([*params, *masters, *grads, *_state_tensors(optimizer)]) / sum(p.numel() for p in params)
+
+
 def _state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [value for state in optimizer.state.values() for value in state.values() if isinstance(value, torch.Tensor)]
 
