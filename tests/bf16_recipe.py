@@ -4,7 +4,8 @@ added into its copy's ``.grad`` in float32, the copies written back after each s
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -28,6 +29,44 @@ class Copies:
         with torch.no_grad():
             for p, m in zip(self.params, self.masters, strict=True):
                 p.copy_(m)
+
+
+def run(
+    params: Iterable[torch.Tensor],
+    batches: list[list[Any]],
+    backward: Callable[[list[Any], Any], None],
+    clip: float | None,
+    lr: float,
+    weight_decay: float = 1e-2,
+) -> list[torch.Tensor]:
+    """The recipe by hand over ``params`` with AdamW: each step's micro-batches (``backward(step, micro)``
+    runs one backward) summed into the copies, torch's clipping over them (``clip``: the max norm, or None),
+    the step, the copies written back, their gradients cleared; returns each step's norm."""
+    copies = Copies(params)
+    optimizer = torch.optim.AdamW(copies.masters, lr=lr, weight_decay=weight_decay)
+    norms = []
+    for step in batches:
+        for micro in step:
+            backward(step, micro)
+            copies.add()
+        if clip is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(copies.masters, clip))
+        optimizer.step()
+        copies.write_back()
+        optimizer.zero_grad()
+    return norms
+
+
+def trainer_items(step: list[torch.Tensor]) -> torch.Tensor:
+    """The HF Trainer's ``num_items_in_batch`` for a step of token-id micro-batches used as their own labels:
+    every label counted, over the tensor/context/sequence parallel sizes (1). All the labels, not the shifted
+    ones the loss sums (``SEQ - 1`` a row): GPT-2's ``loss_type`` is None (its class name holds no key of
+    ``LOSS_MAPPING``, transformers/modeling_utils.py:1284), so the Trainer does not know that its loss shifts
+    the labels (``_loss_shifts_labels``, transformers/trainer.py:543) and counts them unshifted
+    (trainer.py:2331), while the model's ``loss_function`` falls back to ``ForCausalLMLoss``
+    (modeling_utils.py:4773), which shifts. The Trainer's loss is the shifted sum over all the labels, with or
+    without PEFT, TRL or gradscaler."""
+    return sum(ids.ne(-100).sum() for ids in step) / 1
 
 
 def state(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:

@@ -149,6 +149,16 @@ def all_reduce_sums(copies: list[torch.Tensor], world: int) -> None:
         offset += c.numel()
 
 
+def add_sums(lows: list[torch.Tensor], copies: list[torch.Tensor]) -> None:
+    """The recipe after a backward: each gradient added into its copy's float32 sum, ``p.grad`` dropped (a
+    parameter without a gradient leaves its copy's sum as it is)."""
+    for p, c in zip(lows, copies, strict=True):
+        if p.grad is not None:
+            g = p.grad.float()
+            c.grad = g if c.grad is None else c.grad + g
+            p.grad = None
+
+
 def copy_back(lows: list[torch.Tensor], copies: list[torch.Tensor]) -> None:
     """The recipe's copy back after a step: each float32 copy rounded into its parameter."""
     with torch.no_grad():
@@ -237,11 +247,7 @@ def experts_recipe(rank: int, world: int) -> dict[str, Any]:
     for iteration in range(3):
         for micro in range(2):
             s.scale(loss_of(net(batch(rank, 10 * iteration + micro), rank), 2)).backward()
-            for p, c in zip(lows, copies, strict=True):
-                if p.grad is not None:
-                    g = p.grad.float()
-                    c.grad = g if c.grad is None else c.grad + g
-                    p.grad = None
+            add_sums(lows, copies)
         # zeros where this rank has no sum, a flag per copy: a copy no rank gave a gradient gets none
         flat = torch.cat([c.grad.reshape(-1) if c.grad is not None else torch.zeros(c.numel()) for c in copies])
         flags = torch.tensor([float(c.grad is not None) for c in copies])
@@ -300,11 +306,7 @@ def unfrozen_later_recipe(rank: int, world: int) -> dict[str, Any]:
             _frozen_at_register(net, False)
         for micro in range(2):
             s.scale(loss_of(net(batch(rank, 10 * iteration + micro)), 2)).backward()
-            for p, c in zip(lows, copies, strict=True):
-                if p.grad is not None:
-                    g = p.grad.float()
-                    c.grad = g if c.grad is None else c.grad + g
-                    p.grad = None
+            add_sums(lows, copies)
         present = [c for c in copies if c.grad is not None]
         all_reduce_sums(present, world)
         s.step(optimizer)

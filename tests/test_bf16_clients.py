@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import gradscaler
-from bf16_recipe import Copies, equal
+from bf16_recipe import equal, run
 
 pytestmark = pytest.mark.integration
 
@@ -70,20 +70,25 @@ def _bfloat16(params: list[torch.Tensor]) -> bool:
 def recipe(batches: list) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The recipe by hand in plain torch; the parameters after the run and each step's norm."""
     model = _net().to(torch.bfloat16)
-    params = list(model.parameters())
-    recipe_copies = Copies(params)
-    masters = recipe_copies.masters
-    optimizer = torch.optim.AdamW(masters, lr=LR, weight_decay=0.0)
-    norms = []
-    for step in batches:
-        for x, y in step:
-            (_mse(model(x), y) / MICRO).backward()
-            recipe_copies.add()
-        norms.append(torch.nn.utils.clip_grad_norm_(masters, CLIP))
-        optimizer.step()
-        recipe_copies.write_back()
-        optimizer.zero_grad()
+
+    def backward(step: list, xy: tuple[torch.Tensor, torch.Tensor]) -> None:
+        (_mse(model(xy[0]), xy[1]) / MICRO).backward()
+
+    norms = run(model.parameters(), batches, backward, CLIP, lr=LR, weight_decay=0.0)
     return _state(model), norms
+
+
+def equals_the_recipe_and_differs_without_the_line(client_run: Any) -> None:
+    """``client_run(batches, line=...)`` (the parameters after the run, each step's norm) with the line equals
+    the recipe, its clipping biting, and differs without it."""
+    batches = _batches(STEPS)
+    expected, expected_norms = recipe(batches)
+    got, norms = client_run(batches)
+    _bites(norms)
+    assert all(torch.equal(a, b) for a, b in zip(norms, expected_norms, strict=True))
+    assert equal(got, expected) and _bfloat16(got)
+    without, _ = client_run(batches, line=False)
+    assert not equal(without, expected)
 
 
 def _bites(norms: list[Any]) -> None:
@@ -131,14 +136,7 @@ def accelerate_run(batches: list, line: bool = True) -> tuple[list[torch.Tensor]
 
 
 def test_accelerate_bf16_equals_the_recipe_and_differs_without_the_line() -> None:
-    batches = _batches(STEPS)
-    expected, expected_norms = recipe(batches)
-    got, norms = accelerate_run(batches)
-    _bites(norms)
-    assert all(torch.equal(a, b) for a, b in zip(norms, expected_norms, strict=True))
-    assert equal(got, expected) and _bfloat16(got)
-    without, _ = accelerate_run(batches, line=False)
-    assert not equal(without, expected)
+    equals_the_recipe_and_differs_without_the_line(accelerate_run)
 
 
 def test_accelerate_save_state_load_state_resume_equals_the_uninterrupted_run(tmp_path: pathlib.Path) -> None:
@@ -272,14 +270,7 @@ def fabric_run(batches: list, line: bool = True) -> tuple[list[torch.Tensor], li
 
 
 def test_fabric_bf16_true_equals_the_recipe_and_differs_without_the_line() -> None:
-    batches = _batches(STEPS)
-    expected, expected_norms = recipe(batches)
-    got, norms = fabric_run(batches)
-    _bites(norms)
-    assert all(torch.equal(a, b) for a, b in zip(norms, expected_norms, strict=True))
-    assert equal(got, expected) and _bfloat16(got)
-    without, _ = fabric_run(batches, line=False)
-    assert not equal(without, expected)
+    equals_the_recipe_and_differs_without_the_line(fabric_run)
 
 
 def test_fabric_save_load_resume_equals_the_uninterrupted_run(tmp_path: pathlib.Path) -> None:
@@ -339,11 +330,4 @@ def lightning_run(batches: list, line: bool = True) -> tuple[list[torch.Tensor],
 
 
 def test_lightning_trainer_bf16_true_equals_the_recipe_and_differs_without_the_line() -> None:
-    batches = _batches(STEPS)
-    expected, expected_norms = recipe(batches)
-    got, norms = lightning_run(batches)
-    _bites(norms)
-    assert all(torch.equal(a, b) for a, b in zip(norms, expected_norms, strict=True))
-    assert equal(got, expected) and _bfloat16(got)
-    without, _ = lightning_run(batches, line=False)
-    assert not equal(without, expected)
+    equals_the_recipe_and_differs_without_the_line(lightning_run)

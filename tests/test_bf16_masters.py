@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import gradscaler
-from bf16_recipe import Copies, equal
+from bf16_recipe import Copies, equal, run
 from gradscaler.masters import checks
 from gradscaler.masters.checks import HELD_ATTR
 from gradscaler.masters.standalone import NOTHING_MESSAGE
@@ -52,20 +52,7 @@ def _state(model: torch.nn.Module) -> list[torch.Tensor]:
 
 def recipe(model: torch.nn.Module, batches: list, clip: float | None = CLIP) -> tuple[list[torch.Tensor], list]:
     """The recipe by hand; returns the parameters after the run and each step's clipping norm."""
-    params = list(model.parameters())
-    recipe_copies = Copies(params)
-    masters = recipe_copies.masters
-    optimizer = torch.optim.AdamW(masters, lr=1e-2)
-    norms = []
-    for step in batches:
-        for x, y in step:
-            _loss(model, x, y).backward()
-            recipe_copies.add()
-        if clip is not None:
-            norms.append(torch.nn.utils.clip_grad_norm_(masters, clip))
-        optimizer.step()
-        recipe_copies.write_back()
-        optimizer.zero_grad()
+    norms = run(model.parameters(), batches, lambda step, xy: _loss(model, *xy).backward(), clip, lr=1e-2)
     return _state(model), norms
 
 

@@ -9,8 +9,9 @@ back), and differs without the callback. With PEFT's default (``autocast_adapter
 float32: the callback binds nothing and says nothing, and the run is the run without it, bit for bit.
 
 The oracle computes the Trainer's forward: GPT-2 takes ``**kwargs``, so the Trainer passes
-``num_items_in_batch`` (the count of the step's labels over its 4 micro-batches, ``_items``) and does not
-divide the loss itself; Accelerate runs the forward under ``torch.autocast("cpu", torch.bfloat16)``.
+``num_items_in_batch`` (the count of the step's labels over its 4 micro-batches,
+``bf16_recipe.trainer_items``) and does not divide the loss itself; Accelerate runs the forward under
+``torch.autocast("cpu", torch.bfloat16)``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from bf16_recipe import Copies, equal
+from bf16_recipe import equal, run, trainer_items
 
 pytestmark = pytest.mark.integration
 
@@ -69,17 +70,6 @@ def _batches(steps: int) -> list[list[torch.Tensor]]:
     return [[torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator) for _ in range(MICRO)] for _ in range(steps)]
 
 
-def _items(step: list[torch.Tensor]) -> torch.Tensor:
-    """The Trainer's ``num_items_in_batch``: the labels of the step's micro-batches, counted, divided by the
-    tensor/context/sequence parallel sizes (1): a float32 tensor. All the labels, not the shifted ones the loss
-    sums (``SEQ - 1`` a row): GPT-2's ``loss_type`` is None (its class name holds no key of ``LOSS_MAPPING``,
-    transformers/modeling_utils.py:1284), so the Trainer does not know that its loss shifts the labels
-    (``_loss_shifts_labels``, transformers/trainer.py:543) and counts them unshifted (trainer.py:2331), while
-    the model's ``loss_function`` falls back to ``ForCausalLMLoss`` (modeling_utils.py:4773), which shifts.
-    The Trainer's loss is the shifted sum over ``MICRO * BATCH * SEQ``, with or without PEFT or gradscaler."""
-    return sum(ids.ne(-100).sum() for ids in step) / 1
-
-
 def recipe(batches: list) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The recipe by hand in plain torch over the trainable parameters; the adapters after the run and each
     step's norm."""
@@ -87,21 +77,13 @@ def recipe(batches: list) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     model.train()
     params = _trainable(model)
     assert params and all(p.dtype == torch.bfloat16 for p in params)
-    recipe_copies = Copies(params)
-    masters = recipe_copies.masters
-    optimizer = torch.optim.AdamW(masters, lr=LR, weight_decay=0.0)
-    norms = []
-    for step in batches:
-        items = _items(step)
-        for ids in step:
-            with torch.autocast("cpu", dtype=torch.bfloat16):  # Accelerate's forward for bf16
-                loss = model(input_ids=ids, labels=ids, num_items_in_batch=items).loss
-            loss.backward()
-            recipe_copies.add()
-        norms.append(torch.nn.utils.clip_grad_norm_(masters, CLIP))
-        optimizer.step()
-        recipe_copies.write_back()
-        optimizer.zero_grad()
+
+    def backward(step: list[torch.Tensor], ids: torch.Tensor) -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # Accelerate's forward for bf16
+            loss = model(input_ids=ids, labels=ids, num_items_in_batch=trainer_items(step)).loss
+        loss.backward()
+
+    norms = run(params, batches, backward, CLIP, lr=LR, weight_decay=0.0)
     return _state(model), norms
 
 

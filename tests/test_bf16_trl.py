@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from bf16_recipe import Copies, equal
+from bf16_recipe import equal, run, trainer_items
 
 pytestmark = pytest.mark.integration
 
@@ -55,13 +55,6 @@ def _batches(steps: int) -> list[list[torch.Tensor]]:
     return [[torch.randint(1, VOCAB, (BATCH, SEQ), generator=generator) for _ in range(MICRO)] for _ in range(steps)]
 
 
-def _items(step: list[torch.Tensor]) -> torch.Tensor:
-    """The Trainer's ``num_items_in_batch``: all the labels of the step's micro-batches, counted (GPT-2's
-    ``loss_type`` is None, so the Trainer counts them unshifted: transformers/trainer.py:543 and :2331), over the
-    parallel sizes (1)."""
-    return sum(ids.ne(-100).sum() for ids in step) / 1
-
-
 def recipe(batches: list) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The recipe by hand in plain torch around TRL's forward; the parameters after the run and each step's
     norm."""
@@ -70,24 +63,15 @@ def recipe(batches: list) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     model = tiny_gpt2().to(torch.bfloat16)
     add_fused_lm_head(model, outputs=FUSED_OUTPUTS)
     model.train()
-    params = list(model.parameters())
-    recipe_copies = Copies(params)
-    masters = recipe_copies.masters
-    optimizer = torch.optim.AdamW(masters, lr=LR, weight_decay=0.0)
-    norms = []
-    for step in batches:
-        items = _items(step)
-        for ids in step:
-            with torch.autocast("cpu", dtype=torch.bfloat16):  # Accelerate's forward for bf16
-                out = model(
-                    input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids, use_cache=False, fused_lm_head=True
-                )
-            (-out.log_probs.sum() / items).backward()
-            recipe_copies.add()
-        norms.append(torch.nn.utils.clip_grad_norm_(masters, CLIP))
-        optimizer.step()
-        recipe_copies.write_back()
-        optimizer.zero_grad()
+
+    def backward(step: list[torch.Tensor], ids: torch.Tensor) -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # Accelerate's forward for bf16
+            out = model(
+                input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids, use_cache=False, fused_lm_head=True
+            )
+        (-out.log_probs.sum() / trainer_items(step)).backward()
+
+    norms = run(model.parameters(), batches, backward, CLIP, lr=LR, weight_decay=0.0)
     return _state(model), norms
 
 
