@@ -25,8 +25,9 @@ with ``set_to_none`` both ways, freezing and unfreezing a layer or every float16
 layer or all of them to float16, bfloat16 or float32 with torch's swap-tensors future on or off, a round trip
 through another dtype and back
 (a bfloat16 evaluation: ``model.bfloat16()``, ``model.half()``, with nothing or a skipped step between),
-``add_param_group`` in torch's forms (a list, a generator, one tensor per group) and one holding a parameter the
-optimizer has (refused as torch refuses it),
+``add_param_group`` in torch's forms (a list, a generator, one tensor per group; ``(name, parameter)`` pairs when
+the example builds its optimizer of named parameters) and one holding a parameter the optimizer has (refused as
+torch refuses it),
 ``save`` to bytes (at any point of an iteration: in the middle of an accumulation no checkpoint holds the partial
 sum, on either side), loads into fresh objects at any point of an iteration (a pre-emption: a new process; the model's
 checkpoint first, the optimizer's first, each after an iteration that bound the fresh optimizer) or, between
@@ -130,6 +131,7 @@ from gradscaler.masters.checkpoint import rounds_to
 from helpers import swap_future
 from masters_net import LOW_LAYERS, Net, loss_of
 from recipe import Boom, Copies, Fp32Copies, Fp32Recipe, MakeOptimizer, Ours, Recipe, System, untouched
+from recipe import named as recipe_named
 
 LAYERS = ("inp", "block", "norm", "head", "extra")
 SCALES: dict[str, dict[str, Any]] = {
@@ -208,7 +210,10 @@ def build_net(config: Config, seed: int) -> Net:
 
 
 def extra_groups(params: list[torch.Tensor], form: str) -> list[dict[str, Any]]:
-    """The groups ``add_param_group`` gets for ``extra``'s parameters in ``form``."""
+    """The groups ``add_param_group`` gets for ``extra``'s parameters in ``form`` (``named``: torch's
+    ``(name, parameter)`` pairs, which an optimizer built of named parameters takes only)."""
+    if form == "named":
+        return [{"params": [(f"extra.{i}", p) for i, p in enumerate(params)], "lr": 5e-3}]
     if form == "tensor":
         return [{"params": p, "lr": 5e-3} for p in params]
     if form == "generator":
@@ -517,11 +522,16 @@ class MastersMachine(RuleBasedStateMachine):
         scales=st.sampled_from(sorted(SCALES)),
         scaler=st.sampled_from(["torch", "gradscaler"]),
         accumulate=st.booleans(),
+        named=st.booleans(),
     )
-    def start(self, optimizer: str, scales: str, scaler: str, accumulate: bool) -> None:
+    def start(self, optimizer: str, scales: str, scaler: str, accumulate: bool, named: bool) -> None:
         """``accumulate``: ours with ``accumulate_grads_in_fp32=True`` against the recipe with float32
-        accumulation (``recipe.Fp32Recipe``), else both accumulating micro-batches in the parameters' dtype."""
+        accumulation (``recipe.Fp32Recipe``), else both accumulating micro-batches in the parameters' dtype;
+        ``named``: the optimizer built of ``(name, parameter)`` pairs, its added groups too."""
         self.make, self.scales, self.scaler_kind = OPTIMIZERS[optimizer], SCALES[scales], scaler
+        self.adagrad, self.named = optimizer == "adagrad", named
+        if named:
+            self.make = recipe_named(self.make)
         self.accumulate = accumulate
         self.config = Config(
             {name: torch.float32 if name == "norm" else torch.float16 for name in LAYERS}, dict.fromkeys(LAYERS, True)
@@ -817,7 +827,9 @@ class MastersMachine(RuleBasedStateMachine):
     def add_param_group(self, form: str, held: bool) -> None:
         if not held and self.config.added:
             return  # added once
-        if self.make is OPTIMIZERS["adagrad"] and ADAGRAD_STATE_AT_CONSTRUCTION:
+        if self.named:
+            form = "named"  # torch: every group of a named optimizer is named
+        if self.adagrad and ADAGRAD_STATE_AT_CONSTRUCTION:
             return  # torch's own Adagrad cannot step an added group there (KeyError: 'sum')
         if self.both("add", form, held) is None and not held:
             self.config.added = form
@@ -1035,10 +1047,13 @@ def assert_fingerprint(before: list[Any], after: list[Any]) -> None:
 
 
 @contextlib.contextmanager
-def progress(say: Callable[[str], None], budget: int, every: int = 100) -> Iterator[None]:
-    """While open, ``say`` gets a line every ``every`` sequences the machine has run (Hypothesis also runs some
-    it discards, and shrinks a failure: the count can pass ``budget``), so that a run of minutes shows where it
-    is."""
+def progress(
+    say: Callable[[str], None], budget: int, every: int = 100, machine: Any = None, name: str = "masters machine"
+) -> Iterator[None]:
+    """While open, ``say`` gets a line every ``every`` sequences ``machine`` (``MastersMachine`` by default: any
+    class with an ``ended`` hook its teardown calls) has run (Hypothesis also runs some it discards, and shrinks a
+    failure: the count can pass ``budget``), so that a run of minutes shows where it is."""
+    machine = MastersMachine if machine is None else machine
     started, count = time.perf_counter(), 0
 
     def ended() -> None:
@@ -1046,10 +1061,10 @@ def progress(say: Callable[[str], None], budget: int, every: int = 100) -> Itera
         count += 1
         if count % every == 0:
             where = f"of {budget}" if count <= budget else f"({budget} to draw; Hypothesis also ran some it discards)"
-            say(f"masters machine: {count} sequences {where}, {time.perf_counter() - started:.0f} s")
+            say(f"{name}: {count} sequences {where}, {time.perf_counter() - started:.0f} s")
 
-    MastersMachine.ended = ended
+    machine.ended = ended
     try:
         yield
     finally:
-        MastersMachine.ended = None
+        machine.ended = None

@@ -459,17 +459,23 @@ def test_refusals_before_anything_changes() -> None:
     assert vars(optimizer).get(HELD_ATTR) is None
 
 
-def test_a_scaler_with_float32_sums_is_refused_at_scale_and_the_masters_keep_training() -> None:
-    """The scaler's first ``scale()`` would take the parameters' hooks over: refused there, nothing taken."""
+def test_a_scaler_with_float32_sums_is_refused_at_its_step_and_the_masters_keep_training() -> None:
+    """The scaler's ``scale()`` leaves the hooks of the line's masters alone (another's: its optimizer may
+    be another one, whose loss runs through these parameters); its step over this optimizer is refused
+    before anything changes, and after ``zero_grad`` the loop trains as the recipe."""
     batches = _batches()
     expected, _ = recipe(_model(), batches)
     model = _model()
     optimizer = gradscaler.with_master_weights(torch.optim.AdamW(model.parameters(), lr=1e-2))
     scaler = gradscaler.GradScaler("cpu", master_weights=True, accumulate_grads_in_fp32=True)
     (x, y), *_ = batches[0]
+    scaler.scale(_loss(model, x, y)).backward()
+    before = _state(model)
     with pytest.raises(ValueError, match=r"^Build the scaler without master_weights"):
-        scaler.scale(_loss(model, x, y))
+        scaler.step(optimizer)
+    assert equal(_state(model), before)
     del scaler
+    optimizer.zero_grad()
     train(model, optimizer, batches)
     assert equal(_state(model), expected)
 

@@ -14,7 +14,11 @@ The package, lowest first; a file imports only files above it in this list (test
   checkpoint hides included (hooked by the float32 sums before any optimizer is bound).
 - ``moved``: ``Moved``, what one move of gradients into the masters found (flags, norms, the masters'
   gradients), and which gradients its one pass takes.
+- ``zeroing``: torch's ``Optimizer.zero_grad`` and ``Module.zero_grad`` reaching the float32 sums kept
+  outside ``p.grad`` (in a hook before the binding; in the masters of ``with_master_weights``).
 - ``pairs``: ``Pair`` (one low-precision parameter and its master) and ``Binding`` (an optimizer's pairs).
+- ``sums``: ``Sum``, one parameter's float32 sum and the post-accumulate-grad hook that keeps it, which
+  belongs to the scaler whose optimizer steps the parameter (``give_way``).
 - ``wrappers``: what reaches the masters through the user's objects: ``unwrap`` of Accelerate's and
   Lightning's wrappers, ``clip_grad_norm_`` routed through the masters, ``zero_grad`` and
   ``add_param_group`` of a bound optimizer.

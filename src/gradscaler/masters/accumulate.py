@@ -12,14 +12,20 @@ Where the sum lives: in the master's ``.grad`` once the parameter is bound (so `
 clears it as it clears any float32 gradient, and the iteration's first gradient is copied into last
 iteration's tensor when it is still there: no second float32 buffer); before the binding (the first
 iteration: masters are bound at the scaler's first contact with the optimizer, after its micro-batches)
-in the hook itself, which the binding hands to the master. Which parameters get hooks: those the
-scaler meets in the graph of a ``scale(loss)`` output (its ``AccumulateGrad`` leaves that are float16 or
+in the hook itself, which the binding hands to the master, and which ``optimizer.zero_grad()`` clears
+(``zeroing``). Which parameters get hooks: those the scaler meets in the graph of a ``scale(loss)`` output
+and no other scaler hooked (its ``AccumulateGrad`` leaves that are float16 or
 bfloat16 ``nn.Parameter``s, and those a reentrant checkpoint's node hides: ``checkpointed``) until the first
 ``update()`` (a step that finds others with gradients warns: ``HIDDEN_MESSAGE``), every parameter a master is bound to,
 those a bound optimizer's ``add_param_group`` adds, and those a bound optimizer held frozen without a
 master once they are unfrozen (at the next ``scale()``). A parameter hooked from the graph that no optimizer
 of the scaler binds by then gets its gradient back in its dtype at that ``update()`` (held weakly until
 then: a model thrown away in the first iteration goes).
+
+A scaler's hooks belong to the parameters its optimizers step: a hook made from a graph is a claim, taken
+over by the scaler whose optimizer binds the parameter (``Sum.take_over``) or given up to one without float32
+sums (``give_way``); a scaler's graph never takes over a hook another scaler put on a parameter (a GAN's
+G loss runs through D).
 
 ``Accumulation`` is what ``MasterWeights`` holds; its ``take`` is the move of an accumulating binding.
 Under DDP, ``scaler.register_ddp(ddp_model)`` (``ddp.DataParallel``): at the move the reduced gradient
@@ -30,7 +36,6 @@ reduce-scatters each backward's gradient itself: its ``reduce_dtype`` is the set
 
 from __future__ import annotations
 
-import itertools
 import operator
 import weakref
 from collections.abc import Callable
@@ -41,9 +46,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from gradscaler import compiled
 from gradscaler.errors import warn
+from gradscaler.masters import sums
 from gradscaler.masters.checks import (
     BOUND_CLIPPING_MESSAGE,
-    CREATE_GRAPH_MESSAGE,
     DDP_MESSAGE,
     FSDP2_MESSAGE,
     HELD_DDP_MESSAGE,
@@ -52,7 +57,6 @@ from gradscaler.masters.checks import (
     LATE_MESSAGE,
     LATER_HOOK_MESSAGE,
     LOW_PRECISION,
-    SPARSE_MESSAGE,
     SWAPPED_MESSAGE,
     WRITTEN_MESSAGE,
     low_params,
@@ -60,150 +64,20 @@ from gradscaler.masters.checks import (
 from gradscaler.masters.ddp import DataParallel
 from gradscaler.masters.graph import graph_leaves
 from gradscaler.masters.pairs import Binding, Pair
+from gradscaler.masters.sums import Sum, released
 from gradscaler.masters.wrappers import bound_clipping, route
 
 ARGUMENT = "accumulate_grads_in_fp32"
-
-# The key of the token a hooked parameter carries in its ``__dict__``: torch's ``swap_tensors`` swaps the
-# ``__dict__`` with the new tensor's (empty), so a parameter without its Sum's token was swapped. Its
-# ``_cdata`` alone does not tell: a swap frees the old tensor, and a second swap (a round trip under the
-# swap-tensors future) may get the first one's address back, hooks dead (found by the state machine).
-HOOKED_KEY = "_gradscaler_sum_token"
-_TOKENS = itertools.count()
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
-class Sum:
-    """One parameter's float32 sum of this iteration's gradients, and the hook autograd calls after it
-    wrote a backward's gradient into the parameter's ``.grad``.
-
-    ``fresh``: the next gradient starts the sum (the iteration's first); ``total``: the sum while no
-    master is bound (after that it lives in the master's ``.grad``); ``impl``: the parameter's
-    ``_cdata`` when hooked (torch's ``swap_tensors`` gives the parameter a new one, without the hook);
-    ``token``: the one it gave the parameter (``HOOKED_KEY``), which a swap takes away.
-    The parameter holds it (its hooks); it holds no reference to the parameter (torch's swap refuses a
-    weakly referenced tensor), and its master and owner weakly: a hook whose scaler is gone leaves
-    ``.grad`` as autograd wrote it."""
-
-    __slots__ = ("__weakref__", "fresh", "handle", "impl", "master", "owner", "token", "total")
-
-    def __init__(self, param: torch.Tensor, owner: Accumulation) -> None:
-        self.impl = param._cdata
-        self.token = self.mark(param)
-        self.owner = weakref.ref(owner)
-        self.master: weakref.ref[torch.Tensor] | None = None
-        self.total: torch.Tensor | None = None
-        self.fresh = True
-        self.handle: Any = None
-
-    @compiled.eager  # autograd calls it inside a compiled step's backward: one frame per parameter otherwise
-    def __call__(self, param: torch.Tensor) -> None:
-        grad = param.grad
-        if grad is None or param._cdata != self.impl or self.owner() is None:
-            return  # a copy of the parameter that shares the hook, or a scaler that is gone
-        if grad.layout is not torch.strided or grad.requires_grad:
-            param.grad = None  # a refused backward leaves nothing behind: the first hook of it refuses
-            if grad.layout is not torch.strided:
-                raise ValueError(SPARSE_MESSAGE.format(shape=tuple(param.shape), dtype=param.dtype, layout=grad.layout))
-            raise RuntimeError(CREATE_GRAPH_MESSAGE.format(shape=tuple(param.shape), dtype=param.dtype))
-        master = None if self.master is None else self.master()
-        if master is None:
-            if self.fresh or self.total is None:
-                self.total = grad.float()
-            else:
-                self.total.add_(grad)
-        else:
-            self.add_to(master, grad)
-        self.fresh = False
-        param.grad = None
-
-    def add_to(self, master: torch.Tensor, grad: torch.Tensor) -> None:
-        """Add ``grad`` into ``master``'s gradient (the first of an iteration replaces it, written into
-        last iteration's tensor when that is still there and fits)."""
-        if self.total is not None:
-            self.hand_over(master)
-        out = master.grad
-        if not self.fresh and out is not None:
-            out.add_(grad)  # float32 += float16: each value widened exactly, added in float32
-        elif out is not None and _fits(out, grad):
-            out.copy_(grad)
-        else:
-            master.grad = grad.float()
-
-    def hand_over(self, master: torch.Tensor) -> None:
-        """The sum made before the binding, if any, becomes ``master``'s gradient."""
-        if self.total is not None:
-            master.grad, self.total = self.total, None
-
-    def take(self, master: torch.Tensor) -> bool:
-        """At the move: ``master``'s gradient becomes this iteration's sum, or None when the parameter got
-        no gradient this iteration; the next gradient starts a new sum. Whether it has one."""
-        if self.fresh:
-            master.grad = None
-        elif self.total is not None:
-            master.grad, self.total = self.total, None
-        self.fresh = True
-        return master.grad is not None
-
-    def take_over(self, other: Sum) -> None:
-        """``other``, another scaler's hook on the same parameter, is removed and its sum of this iteration
-        carried over (in its hook, or in the master's gradient the two share): a second scaler over an optimizer
-        the first one bound steers alone, as its masters' checkpoint hooks do (with both hooks, the first moved
-        each gradient and the second found none: nothing was trained)."""
-        if other.handle is not None:
-            other.handle.remove()
-            other.handle = None
-        self.total, self.fresh, self.master = other.total, other.fresh, other.master
-        other.total = None
-
-    def rehook(self, param: torch.Tensor) -> None:
-        """Hook ``param`` again after torch's ``swap_tensors`` (``model.float()`` with the swap-tensors
-        future): its new tensor has no post-accumulate-grad hook; the Python dictionary it still shows
-        is dead (each hook in it, the user's too, ran on the old tensor), so a new one replaces it."""
-        param._post_accumulate_grad_hooks = None  # type: ignore[assignment]
-        self.handle = param.register_post_accumulate_grad_hook(self)
-        self.impl = param._cdata
-        self.token = self.mark(param)
-
-    @staticmethod
-    def mark(param: torch.Tensor) -> int:
-        """Give ``param`` a new token (``HOOKED_KEY``); return it."""
-        token = next(_TOKENS)
-        param.__dict__[HOOKED_KEY] = token
-        return token
-
-    def swapped(self, param: torch.Tensor) -> bool:
-        """Whether torch's ``swap_tensors`` gave ``param`` a new tensor since it was hooked (its hook is
-        then on the old one)."""
-        return self.impl != param._cdata or param.__dict__.get(HOOKED_KEY) != self.token
-
-    def follow(self, param: torch.Tensor) -> None:
-        """Hook ``param`` again if torch's ``swap_tensors`` gave it a new tensor since it was hooked; not
-        while it is frozen (torch refuses a hook on a tensor that does not require grad, and it gets no
-        gradient): it stays marked as swapped, so the first ``scale()`` after it is unfrozen does it."""
-        if param.requires_grad and self.swapped(param):
-            self.rehook(param)
-
-    def release(self, param: torch.Tensor) -> None:
-        """Remove the hook; the parameter's gradient, if any, goes back into its ``.grad`` in its dtype."""
-        if self.handle is not None:
-            self.handle.remove()
-            self.handle = None
-        if param.__dict__.get(HOOKED_KEY) == self.token:
-            del param.__dict__[HOOKED_KEY]
-        if self.total is not None and not self.fresh and param.grad is None:
-            param.grad = self.total.to(param.dtype)
-        self.total = None
-
-
-def _fits(out: torch.Tensor, grad: torch.Tensor) -> bool:
-    return (
-        type(out) is torch.Tensor
-        and out.dtype == torch.float32
-        and out.shape == grad.shape
-        and out.device == grad.device
-        and out.is_contiguous()
-    )
+def _orphaned(watched: WeakIdKeyDictionary, found: weakref.WeakValueDictionary[int, Sum]) -> None:
+    """A scaler dropped in its first iteration: each parameter its graphs' hooks hold and no optimizer of it
+    bound gets its gradient back (``Sum.release``), as at that iteration's ``update()``."""
+    for param in list(watched.keys()):
+        hook = found.get(id(param))
+        if hook is not None and hook.handle is not None:
+            hook.release(param)
 
 
 class Accumulation:
@@ -214,8 +88,10 @@ class Accumulation:
         # parameter here (torch's swap_tensors refuses a weakly referenced one)
         self._sums: weakref.WeakValueDictionary[int, Sum] = weakref.WeakValueDictionary()
         # hooked from the scaled graphs and not bound yet, weakly (a model thrown away in the first
-        # iteration goes): they are given back at the first update() unless bound by then
+        # iteration goes): they are given back at the first update() unless bound by then, or when this
+        # scaler is dropped before it (``_orphaned``)
         self._watched = WeakIdKeyDictionary()
+        weakref.finalize(self, _orphaned, self._watched, self._sums)
         self.watching = True  # hooks from the scaled graphs, until the first update() after a contact
         self.contacted = False  # an optimizer met the scaler (unscale_/step), bound or not
         self.scaled = 0  # graphs scale() met while watching: with two or more, autograd may have summed
@@ -246,8 +122,10 @@ class Accumulation:
         binding that gave them no master, or added since: hooked, bound at the next move)."""
         if self.watching and isinstance(output, torch.Tensor) and output.grad_fn is not None:
             self.scaled += 1
+            sums.CLAIMING.add(self)
             for param in graph_leaves(output):
-                self.hook(param)
+                if self.sum_of(param) is not None or not sums.others(param, self):
+                    self.hook(param)  # not one another scaler hooked: its optimizer's, or claimed first
         if self.subclassed or torch.__future__.get_swap_module_params_on_conversion():
             self.revive([*bound(), *(p for optimizer in self._met for p in low_params(optimizer))])
         if self._frozen:
@@ -271,13 +149,12 @@ class Accumulation:
         if found is not None:
             found.follow(param)
             return found
-        others = [h for h in (getattr(param, "_post_accumulate_grad_hooks", None) or {}).values() if isinstance(h, Sum)]
-        if any(getattr(other.owner(), "holding", False) for other in others if other.owner() is not self):
+        taken = sums.others(param, self, live=False)
+        if any(getattr(other.owner(), "holding", False) for other in taken):
             raise ValueError(HELD_MESSAGE)  # the parameter is with_master_weights': nothing taken over
         found = Sum(param, self)
-        for other in others:
-            if other.owner() is not self:
-                found.take_over(other)  # another scaler's: this one took its optimizer over (one binding steers)
+        for other in taken:
+            found.take_over(other, param)  # another scaler's: this one's optimizer steps it (one binding steers)
         frozen = not param.requires_grad  # torch refuses a hook on it, and keeps one made before a freeze
         if frozen:
             param.requires_grad_(True)
@@ -352,18 +229,6 @@ class Accumulation:
                     self.hook(param, watched=False)
             self._asleep[optimizer] = [param for param in frozen if not param.requires_grad]
 
-    def clear_held(self, params: list[torch.Tensor], set_to_none: bool) -> None:
-        """A bound optimizer's ``zero_grad``: the sums its hooks still hold (a group added since its last
-        move) cleared as the optimizer clears gradients: None, or zeros that the next gradient adds to."""
-        for param in params:
-            found = self.sum_of(param)
-            if found is None or found.total is None:
-                continue
-            if set_to_none:
-                found.total, found.fresh = None, True
-            else:
-                found.total.zero_()
-
     def added(self, params: list[torch.Tensor]) -> None:
         """A bound optimizer's ``add_param_group``: its new low-precision parameters are hooked now, before
         their first backward."""
@@ -385,8 +250,9 @@ class Accumulation:
                     found = self.sum_of(param)
                     if found is not None:
                         found.release(param)
-                self._watched = WeakIdKeyDictionary()
+                self._watched.clear()
                 self.watching = False
+                sums.CLAIMING.discard(self)
                 raise ValueError(FSDP2_MESSAGE)
 
     def bind(self, binding: Binding, optimizer: torch.optim.Optimizer) -> None:
@@ -403,7 +269,13 @@ class Accumulation:
             if not pair.low.requires_grad and self.sum_of(pair.low) is None and not self.holding:
                 self._frozen[id(pair)] = weakref.ref(pair)  # hooked when unfrozen (no loop without a scaler)
                 continue
-            unseen = pair.low.grad is not None and pair.low.dtype in LOW_PRECISION and self.sum_of(pair.low) is None
+            grad = pair.low.grad
+            unseen = (
+                grad is not None
+                and pair.low.dtype in LOW_PRECISION
+                and self.sum_of(pair.low) is None
+                and not released(grad)  # given back by another scaler's hook, its float32 sum kept
+            )
             late += unseen and not self.watching
             hidden += unseen and self.watching and self.scaled > 1
             found = self.hook(pair.low)
@@ -475,8 +347,9 @@ class Accumulation:
         if not self.watching or not (bound or self.contacted):
             return
         self.watching = False
+        sums.CLAIMING.discard(self)
         for param in list(self._watched.keys()):
             found = self.sum_of(param)
             if found is not None and id(param) not in bound:
                 found.release(param)
-        self._watched = WeakIdKeyDictionary()
+        self._watched.clear()

@@ -43,7 +43,7 @@ import torch
 
 from gradscaler import grads
 from gradscaler.kernels import move_grads_
-from gradscaler.masters import checkpoint
+from gradscaler.masters import checkpoint, sums
 from gradscaler.masters.accumulate import Accumulation
 from gradscaler.masters.checkpoint import SAVED_KEY
 from gradscaler.masters.checks import (
@@ -62,6 +62,7 @@ from gradscaler.masters.checks import (
 from gradscaler.masters.ddp import NOT_ACCUMULATING_MESSAGE
 from gradscaler.masters.moved import NOTHING, Moved, copied_stats, dense, movable
 from gradscaler.masters.pairs import Binding, Pair
+from gradscaler.masters.sums import give_way
 from gradscaler.masters.wrappers import AddParamGroupChecked, ZeroGradBoth, route, route_clipping, unroute, unwrap
 
 
@@ -183,6 +184,8 @@ class MasterWeights:
                 self._sums.take(binding)
             binding.moved = True
             return Moved({}, {}, {}, grads.new_groups())
+        if sums.CLAIMING:  # a scaler's first iteration: its graphs' hooks may hold these parameters' gradients
+            give_way(binding.lows())
         with torch.no_grad():
             moving: list[tuple[Pair, torch.Tensor]] = []
             for pair in binding.pairs:
@@ -375,7 +378,7 @@ class MasterWeights:
             save = checkpoint.save_hook(binding.saved_value, binding.saved_dtype)
             load = checkpoint.load_hook(binding.restore, binding.unsaved, functools.partial(_end, binding))
             binding.hooks = checkpoint.install_hooks(optimizer, save, load)
-            zeroed = functools.partial(self._zeroed, binding, weakref.ref(optimizer))
+            zeroed = functools.partial(self._zeroed, binding)
             optimizer.zero_grad = ZeroGradBoth(optimizer, binding.lows, zeroed)  # type: ignore[method-assign]
             added = None if self._sums is None else self._sums.added
             optimizer.add_param_group = AddParamGroupChecked(optimizer, binding.lows, added)  # type: ignore[method-assign]
@@ -384,18 +387,17 @@ class MasterWeights:
             self._sums.bind(binding, optimizer)
             if any(not p.requires_grad for p in low_params(optimizer)):
                 self._sums.asleep(optimizer)  # frozen without a master: hooked at a scale() once unfrozen
+        else:
+            give_way(binding.lows())  # another scaler's hooks on them (its graph met them, or it steered them)
         return binding
 
-    def _zeroed(self, binding: Binding, ref: weakref.ReferenceType[torch.optim.Optimizer], set_to_none: bool) -> None:
-        """After a bound optimizer's ``zero_grad``: zeros in place are no write to the kept float16 gradients,
-        and the sums hooks still hold for its parameters (a group added since its last move) are cleared."""
+    @staticmethod
+    def _zeroed(binding: Binding, set_to_none: bool) -> None:
+        """After a bound optimizer's ``zero_grad``: zeros in place are no write to the kept float16 gradients.
+        (The sums hooks still hold for its parameters, a group added since its last move, are cleared by
+        torch's ``zero_grad``, ``zeroing``.)"""
         if not set_to_none:
             binding.zeroed_kept()
-        if self._sums is None:
-            return
-        optimizer = ref()
-        if optimizer is not None and not self._sums.holding:  # held: every hook has its master, no sum waits
-            self._sums.clear_held(list(grads.iter_params(optimizer)), set_to_none)
 
     def _bind_param(
         self, optimizer: torch.optim.Optimizer, binding: Binding, group: dict[str, Any], index: int, saved: Any

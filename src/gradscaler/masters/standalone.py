@@ -12,7 +12,7 @@ first iteration is no special state), and torch's own step hooks do the rest:
   into its master's ``.grad`` in float32 and leaves ``p.grad`` None (``accumulate``). The masters' gradients
   behave as the parameters' own would: they add up across backwards until ``optimizer.zero_grad()`` or
   ``model.zero_grad()`` clears them (the HF Trainer calls the latter: ``torch.nn.Module.zero_grad`` is wrapped,
-  while an optimizer has masters from the line, to clear the sums of the module's parameters, ``_zero_grad``).
+  while an optimizer has masters from the line, to clear the sums of the module's parameters, ``zeroing``).
   That is where a reader finds them: the ``.grad`` of the parameters the optimizer holds.
 * **Clipping.** ``torch.nn.utils.clip_grad_norm_``/``clip_grad_value_`` over ``model.parameters()`` clip the
   masters' sums (``wrappers.route``: Accelerate's, the HF Trainer's and nanoGPT's call); over the optimizer's
@@ -40,7 +40,8 @@ from typing import Any
 import torch
 
 from gradscaler.errors import warn
-from gradscaler.masters.checks import HELD_ATTR, PARAM_ATTR
+from gradscaler.masters import zeroing
+from gradscaler.masters.checks import HELD_ATTR
 from gradscaler.masters.lifecycle import MasterWeights
 from gradscaler.masters.pairs import Binding
 from gradscaler.masters.wrappers import ZeroGradBoth, unwrap
@@ -77,46 +78,6 @@ DISTRIBUTED_MESSAGE = (
     "group. Nothing was changed."
 )
 
-# id of each parameter whose gradient a master of ``with_master_weights`` holds -> a weak reference to that master:
-# ``Module.zero_grad`` (``_zero_grad``) clears the master's gradient with the parameter's, as the HF Trainer's
-# ``model.zero_grad()`` means to (keyed by id and weak on the master only, as ``wrappers.route`` is)
-_HELD: dict[int, weakref.ReferenceType[torch.Tensor]] = {}
-_module_zero_grad = torch.nn.Module.zero_grad
-"""torch's own ``Module.zero_grad``."""
-
-
-def _zero_grad(self: torch.nn.Module, set_to_none: bool = True) -> None:
-    """``torch.nn.Module.zero_grad`` while an optimizer has masters from ``with_master_weights``: torch's, then
-    the same for the masters' float32 sums of this module's parameters (their ``.grad`` is None: the sums
-    are the gradients ``model.zero_grad()`` means to clear)."""
-    _module_zero_grad(self, set_to_none)
-    if not _HELD:
-        return
-    for param in self.parameters():
-        ref = _HELD.get(id(param))
-        master = None if ref is None else ref()
-        if master is None or master.grad is None or getattr(master, PARAM_ATTR, None) is not param:
-            continue
-        if set_to_none:
-            master.grad = None
-        else:
-            master.grad.requires_grad_(False)
-            master.grad.zero_()
-
-
-def _note(binding: Binding) -> None:
-    """``binding``'s masters hold their parameters' gradients: ``model.zero_grad()`` reaches them."""
-    for pair in binding.pairs:
-        key = id(pair.low)
-
-        def gone(ref: weakref.ReferenceType[torch.Tensor], key: int = key) -> None:
-            if _HELD.get(key) is ref:
-                del _HELD[key]
-
-        _HELD[key] = weakref.ref(pair.master, gone)
-    if torch.nn.Module.zero_grad is _module_zero_grad:
-        torch.nn.Module.zero_grad = _zero_grad  # type: ignore[method-assign]
-
 
 class Held:
     """The masters of one optimizer that no scaler steps, and the step hooks that keep them."""
@@ -142,7 +103,7 @@ class Held:
     def hold(self, optimizer: torch.optim.Optimizer, refresh: bool = True) -> Binding:
         binding = self.masters.hold(optimizer, refresh)
         if len(binding.pairs) != self.count:
-            _note(binding)
+            zeroing.held((pair.low, pair.master) for pair in binding.pairs)  # model.zero_grad() clears them
             self.count = len(binding.pairs)
         return binding
 

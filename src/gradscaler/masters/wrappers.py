@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from gradscaler import compiled
+from gradscaler.masters import zeroing
 from gradscaler.masters.checks import LOW_PRECISION, PARAM_ATTR
 
 # id of a parameter whose gradient is in its master this iteration -> a weak reference to that master, for
@@ -163,7 +164,9 @@ class ZeroGradBoth:
         if optimizer is None:
             return
         type(optimizer).zero_grad(optimizer, set_to_none)
-        for low in self._lows():
+        lows = list(self._lows())
+        zeroing.clear_waiting(lows, set_to_none)
+        for low in lows:
             grad = low.grad
             if grad is None:
                 continue
@@ -195,7 +198,8 @@ class AddParamGroupChecked:
     ) -> None:
         self._optimizer = weakref.ref(optimizer)
         self._lows = lows
-        self._added = added
+        # weakly: a scaler dropped leaves its hooks dead (a new scaler over the optimizer binds it afresh)
+        self._added = None if added is None else weakref.WeakMethod(added)  # type: ignore[arg-type]
 
     def __call__(self, param_group: dict[str, Any]) -> None:
         optimizer = self._optimizer()
@@ -212,8 +216,9 @@ class AddParamGroupChecked:
         if any(id(_tensor_of(p)) in held for p in params):
             raise ValueError("some parameters appear in more than one parameter group")  # torch's message
         type(optimizer).add_param_group(optimizer, param_group)
-        if self._added is not None:
-            self._added([_tensor_of(p) for p in params])
+        added = None if self._added is None else self._added()
+        if added is not None:
+            added([_tensor_of(p) for p in params])
 
 
 def _tensor_of(entry: Any) -> Any:
