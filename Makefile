@@ -14,7 +14,7 @@ TORCH_INDEX ?=
 DEMO_STAMP := $(VENV)/.demo-installed
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-triton-ends test-older-torch lint bench gpu-test gpu-check clean
+.PHONY: demo test test-slow test-triton-ends test-older-torch lint bench gpu-test gpu-check clean
 
 $(DEMO_STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,16 @@ lint: $(STAMP)
 test: $(STAMP) lint
 	$(BIN)/python -m pytest
 	$(MAKE) --no-print-directory test-triton-ends
+
+# Opt-in, not part of `make test`: the soak-sized runs (about 5 minutes on 2 cores, docs/development.md). The
+# tests marked slow (a 10-million-line log read in bounded memory; make test reads a million), then the two soaks
+# at their defaults: tests/soak.py, 20 fault-injection runs of 2,000 steps drawn from seed 0 (make test runs 10
+# of 600 steps and 8 of 240), and tests/masters_soak.py, 200 sequences of up to 60 rules of the master weights'
+# state machine drawn from seed 0 (make test runs its own 600 derandomized sequences of up to 50).
+test-slow: $(STAMP)
+	GRADSCALER_SLOW=1 $(BIN)/python -m pytest -m slow
+	$(BIN)/python tests/soak.py
+	$(BIN)/python tests/masters_soak.py
 
 # Both ends of the Triton range pyproject promises: 3.7.1, what torch 2.13's CUDA build pins (so what
 # every GPU user of it runs the kernels with), and 3.9.0, the newest. .venv holds whichever pip chose

@@ -47,7 +47,23 @@ def torch_left_unpatched():
     assert not patched, "the test left torch patched: undo gradscaler.patch_torch() (or use it as a context manager)"
 
 
+SLOW = os.environ.get("GRADSCALER_SLOW") == "1"
+"""Whether the tests marked ``slow`` run: soak-sized repeats of what ``make test`` runs at a smaller size
+(``make test-slow`` sets it; so does a ``-m`` expression that names ``slow``)."""
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    ran = SLOW or "slow" in (config.option.markexpr or "")
+    slow = "run" if ran else "left out (make test-slow runs them)"
+    return f"torch threads: {THREADS} (GRADSCALER_TEST_THREADS); tests marked slow: {slow}"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not SLOW and "slow" not in (config.option.markexpr or ""):
+        slow = [item for item in items if item.get_closest_marker("slow") is not None]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [item for item in items if item.get_closest_marker("slow") is None]
     if torch.cuda.is_available():
         return
     if os.environ.get("GRADSCALER_REQUIRE_CUDA") == "1":
