@@ -26,11 +26,13 @@ class _Generic:
         return torch_stats._generic(grads, norm_type, inv_scale)
 
 
-# The torch routes on torch's own thread count (conftest.py): it splits their float32 sums of large tensors, and
-# the tolerances below were measured that way (one thread misses two of them by up to 1.5x).
+# The torch routes run no Triton (make test-triton-ends leaves them out), on torch's own thread count (conftest.py):
+# it splits their float32 sums of large tensors, and the tolerances below were measured that way (one thread misses
+# two of them by up to 1.5x).
+TORCH_ROUTE = [pytest.mark.torch_route, pytest.mark.torch_threads]
 IMPLS = [
-    pytest.param(torch_stats, id="torch", marks=pytest.mark.torch_threads),
-    pytest.param(_Generic, id="generic", marks=pytest.mark.torch_threads),
+    pytest.param(torch_stats, id="torch", marks=TORCH_ROUTE),
+    pytest.param(_Generic, id="generic", marks=TORCH_ROUTE),
     pytest.param(triton_stats, id="triton"),
 ]
 
@@ -214,6 +216,7 @@ _FEW_SIZES = [(3, 5), (0,), (torch_stats.SMALL,), (1,), (7, 9), (torch_stats.SMA
 _MANY_SIZES = [(n,) for n in range(torch_stats._MAX_RUNS + 5)] + [(torch_stats.SMALL,), (4, 6), (2, 3)] * 3
 
 
+@pytest.mark.torch_route
 @pytest.mark.parametrize("p", [None, 2.0], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("sizes", [_FEW_SIZES, _MANY_SIZES], ids=["runs_of_equal_sizes", "segment_reduce"])
