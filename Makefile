@@ -14,7 +14,7 @@ TORCH_INDEX ?=
 DEMO_STAMP := $(VENV)/.demo-installed
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-triton-ends test-older-torch lint bench gpu-test gpu-check clean
+.PHONY: demo test test-slow test-triton-ends test-older-torch lint bench gpu-test gpu-check clean
 
 $(DEMO_STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -48,11 +48,23 @@ test: $(STAMP) lint
 	$(BIN)/python -m pytest
 	$(MAKE) --no-print-directory test-triton-ends
 
+# Opt-in, not part of `make test`: the soak-sized runs (about 5 minutes on 2 cores, docs/development.md). The
+# tests marked slow (a 10-million-line log read in bounded memory; make test reads a million), then the two soaks
+# at their defaults: tests/soak.py, 20 fault-injection runs of 2,000 steps drawn from seed 0 (make test runs 10
+# of 600 steps and 8 of 240), and tests/masters_soak.py, 200 sequences of up to 60 rules of the master weights'
+# state machine drawn from seed 0 (make test runs its own 600 derandomized sequences of up to 50).
+test-slow: $(STAMP)
+	GRADSCALER_SLOW=1 $(BIN)/python -m pytest -m slow
+	$(BIN)/python tests/soak.py
+	$(BIN)/python tests/masters_soak.py
+
 # Both ends of the Triton range pyproject promises: 3.7.1, what torch 2.13's CUDA build pins (so what
 # every GPU user of it runs the kernels with), and 3.9.0, the newest. .venv holds whichever pip chose
 # (3.9.0 beside torch's CPU build, 3.7.1 beside its CUDA build) and the run above tested it; the other
 # end is installed apart (Triton alone, in .venv/triton-VERSION) and put first on the path to compile
-# the kernels for every target and run them in Triton's interpreter again.
+# the kernels for every target and run them in Triton's interpreter again: every kernel test that runs
+# Triton, not the torch routes beside them (marked torch_route), which the run above tested and which no
+# Triton changes.
 TRITON_ENDS ?= 3.7.1 3.9.0
 KERNEL_TESTS := tests/test_kernel_compile.py tests/test_kernels.py tests/test_move_kernel.py tests/test_kernel_fallback.py
 test-triton-ends: $(STAMP)
@@ -63,8 +75,8 @@ test-triton-ends: $(STAMP)
 		test -f $$dir/.installed || { $(BIN)/pip install --quiet --no-deps --target $$dir "triton==$$v" && touch $$dir/.installed; } || exit 1; \
 		got=$$(PYTHONPATH=$$dir $(BIN)/python -c "import triton; print(triton.__version__)"); \
 		test "$$got" = "$$v" || { echo "$$dir holds Triton $$got, not $$v: remove it and rerun"; exit 1; }; \
-		echo "Triton $$v: the kernel tests again ($(KERNEL_TESTS))"; \
-		PYTHONPATH=$$dir $(BIN)/python -m pytest -q -p no:cacheprovider $(KERNEL_TESTS) || exit 1; \
+		echo "Triton $$v: the kernel tests that run Triton again ($(KERNEL_TESTS))"; \
+		PYTHONPATH=$$dir $(BIN)/python -m pytest -q -p no:cacheprovider -m "not torch_route" $(KERNEL_TESTS) || exit 1; \
 	done
 
 # An older torch than .venv's, opt-in (not part of `make test`): OLDER_TORCH (default 2.11.0, the

@@ -52,12 +52,16 @@ class Run:
         self.scaler = GradScaler("cpu", init_scale=init_scale, growth_interval=5, collapse_patience=None, **policy)
         self.params = list(self.model.parameters())
         self.clip = clip
+        self.overflowed = False
 
     def step(self, index: int, faults: list[tuple[int, float]]) -> None:
         gen = torch.Generator().manual_seed(index)
         x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 2, generator=gen)
         self.opt.zero_grad()
         self.scaler.scale(nn.functional.mse_loss(self.model(x), y)).backward()
+        # Clean gradients times a scale near float32's max (2**127, where a run with few faults and no max_scale
+        # grows to) overflow on their own: the scaler must skip that step too.
+        self.overflowed = not all(bool(p.grad.isfinite().all()) for p in self.params if p.grad is not None)
         for param_index, value in faults:
             self.params[param_index].grad.view(-1)[index % self.params[param_index].numel()] = value
         if self.clip is not None:
@@ -106,14 +110,15 @@ def test_invariants_in_harsh_regimes(optimizer: str, mode: str, regime: str, cli
     )
 
 
-def check_run(make: Callable[[], Run], plan: list[list[tuple[int, float]]]) -> None:
-    """Run ``plan``: skips exactly where faults are, a skip changes nothing, the scale stays in bounds,
-    and a run resumed from a mid-run checkpoint (through weights_only loading) ends bit-identical."""
+def check_run(make: Callable[[], Run], plan: list[list[tuple[int, float]]]) -> int:
+    """Run ``plan``: skips exactly where faults are (or where the scaled gradients overflowed on their own), a
+    skip changes nothing, the scale stays in bounds, and a run resumed from a mid-run checkpoint (through
+    weights_only loading) ends bit-identical. Returns how many clean steps overflowed on their own."""
     run = make()
     steps = len(plan)
     lower, upper = run.scaler._rule.lower, run.scaler._rule.upper
     ckpt, mid = None, steps // 2
-    consecutive = 0
+    consecutive = skips = natural = 0
     for index, faults in enumerate(plan):
         if index == mid:
             ckpt = run.checkpoint()
@@ -121,16 +126,19 @@ def check_run(make: Callable[[], Run], plan: list[list[tuple[int, float]]]) -> N
         before_state = copy.deepcopy(run.opt.state_dict()["state"])
         run.step(index, faults)
         skipped = run.scaler.last_step_skipped()
-        assert skipped == bool(faults), f"step {index}: skipped={skipped}, faults={faults}"
+        bad = bool(faults) or run.overflowed
+        assert skipped == bad, f"step {index}: skipped={skipped}, faults={faults}, overflowed={run.overflowed}"
         if skipped:
             for a, b in zip(before_params, run.params, strict=True):
                 assert torch.equal(a, b), f"step {index}: a skipped step changed a parameter"
             assert_same_state(copy.deepcopy(run.opt.state_dict()["state"]), before_state, f"step {index} state")
         scale = run.scaler.get_scale()
         assert math.isfinite(scale) and lower <= scale <= upper
-        consecutive = consecutive + 1 if faults else 0
+        consecutive = consecutive + 1 if bad else 0
+        skips += bad
+        natural += run.overflowed and not faults
     stats = run.scaler.stats()
-    assert stats["skipped_steps"] == sum(1 for f in plan if f)
+    assert stats["skipped_steps"] == skips
     assert stats["consecutive_skips"] == consecutive
     assert stats["steps"] == steps
     final = [p.detach().clone() for p in run.params]
@@ -143,6 +151,7 @@ def check_run(make: Callable[[], Run], plan: list[list[tuple[int, float]]]) -> N
     for a, b in zip(final, resumed.params, strict=True):
         assert torch.equal(a, b), "a resumed run must be bit-identical to the uninterrupted one"
     assert resumed.scaler.stats() == final_stats
+    return natural
 
 
 def python_rule(flags: list[bool], rule: ScaleRule, init: float) -> list[float]:
