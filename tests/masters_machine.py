@@ -120,6 +120,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from torch.amp.grad_scaler import OptState
@@ -1044,6 +1045,49 @@ def assert_fingerprint(before: list[Any], after: list[Any]) -> None:
                 assert same_bits(x, y) if isinstance(x, torch.Tensor) else x == y, f"refused, yet changed: {index}"
         else:
             assert b is None, f"refused, yet changed: {index}"
+
+
+def ci_settings(examples: int, steps: int) -> settings:
+    """A machine's budget in CI: a fixed seed (the same sequences every run), ``examples`` sequences of up to
+    ``steps`` rules, no deadline, no example database."""
+    return settings(
+        max_examples=examples,
+        stateful_step_count=steps,
+        derandomize=True,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    )
+
+
+class OneThread:
+    """Set-up of a machine's ``TestCase``: one torch thread while it runs (the machines' tensors are tiny, and on a
+    loaded machine two threads wait for each other at every operation), restored after."""
+
+    def setUp(self) -> None:
+        self.threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+
+    def tearDown(self) -> None:
+        torch.set_num_threads(self.threads)
+
+
+@contextlib.contextmanager
+def terminal_progress(request: Any, budget: int, machine: Any = None, name: str = "masters machine") -> Iterator[None]:
+    """``progress`` on the terminal of the pytest run ``request`` belongs to (past its output capture); nothing
+    where it has none."""
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    if reporter is None or capture is None:
+        yield
+        return
+
+    def say(line: str) -> None:
+        with capture.global_and_fixture_disabled():
+            reporter.write_line(f"  {line}")
+
+    with progress(say, budget, machine=machine, name=name):
+        yield
 
 
 @contextlib.contextmanager

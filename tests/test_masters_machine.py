@@ -14,10 +14,8 @@ A line on the terminal every 100 sequences says how far it is.
 from __future__ import annotations
 
 import pytest
-import torch
-from hypothesis import HealthCheck, settings
 
-from masters_machine import MastersMachine, progress
+from masters_machine import MastersMachine, OneThread, ci_settings, progress, terminal_progress
 
 EXAMPLES = 600
 STEPS = 50
@@ -26,36 +24,12 @@ STEPS = 50
 @pytest.fixture(autouse=True)
 def progress_on_the_terminal(request: pytest.FixtureRequest):
     """A line on the terminal every 100 sequences (a minute here, several on a loaded machine, else one dot)."""
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    capture = request.config.pluginmanager.get_plugin("capturemanager")
-    if reporter is None or capture is None:
-        yield
-        return
-
-    def say(line: str) -> None:
-        with capture.global_and_fixture_disabled():
-            reporter.write_line(f"  {line}")
-
-    with progress(say, EXAMPLES):
+    with terminal_progress(request, EXAMPLES):
         yield
 
 
-class TestMastersMachine(MastersMachine.TestCase):  # type: ignore[misc,name-defined]
-    settings = settings(
-        max_examples=EXAMPLES,
-        stateful_step_count=STEPS,
-        derandomize=True,
-        deadline=None,
-        database=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-    )
-
-    def setUp(self) -> None:
-        self.threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-
-    def tearDown(self) -> None:
-        torch.set_num_threads(self.threads)
+class TestMastersMachine(OneThread, MastersMachine.TestCase):  # type: ignore[misc,name-defined]
+    settings = ci_settings(EXAMPLES, STEPS)
 
 
 def test_progress_says_a_line_every_hundred_sequences_and_names_the_shrinking_runs() -> None:
