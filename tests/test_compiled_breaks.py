@@ -9,7 +9,8 @@ import re
 import pytest
 import torch
 
-from gradscaler import GradScaler
+from gradscaler import GradScaler, compiled
+from gradscaler.masters import zeroing
 from gradscaler.tools.compiled_step import SHAPES, Shape, breaks, build, inputs
 
 
@@ -38,11 +39,22 @@ def test_no_graph_break_inside_the_package(shape: Shape) -> None:
     assert all(b.on_purpose for b in counted[True] if b.reason not in theirs), counted[True]
 
 
-def test_each_scaler_call_breaks_for_the_documented_reason() -> None:
-    """The reason Dynamo prints names this library's choice and where it is documented."""
+@pytest.mark.parametrize("wrapped", [False, True], ids=["torch-zero_grad", "wrapped-zero_grad"])
+def test_each_scaler_call_breaks_for_the_documented_reason(wrapped: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reason Dynamo prints names this library's choice and where it is documented. Once a hook held a
+    float32 sum before its binding (any earlier test in this process), ``Optimizer.zero_grad`` is
+    ``zeroing``'s wrapper: its one eager break stands in for the one of torch's method (``_disable_dynamo``),
+    which it calls, so the count does not move."""
+    compiled.prepare()  # as the first scaler does, before any hook can install the wrapper
+    zero_grad = zeroing._zero_grad_optimizer if wrapped else zeroing._optimizer_zero_grad
+    monkeypatch.setattr(torch.optim.Optimizer, "zero_grad", zero_grad)
     found = breaks(build(Shape(clip="scaler"), ours=True), inputs(2))
     named = [re.search(r"<function (\S+) at", b.explanation).group(1) for b in found if b.on_purpose]  # type: ignore[union-attr]
-    assert named == ["GradScaler.scale", "GradScaler.clip_grad_norm_", "GradScaler.step", "GradScaler.update"]
+    calls = ["GradScaler.scale", "GradScaler.clip_grad_norm_", "GradScaler.step", "GradScaler.update"]
+    assert named == calls + (["_zero_grad_optimizer"] if wrapped else [])
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch.optim.Optimizer, "zero_grad", zeroing._optimizer_zero_grad)
+    assert len(breaks(build(Shape(clip="scaler"), ours=True), inputs(2))) == len(found)
 
 
 def test_eager_scaler_methods_run_eagerly_inside_compiled_code() -> None:
