@@ -175,7 +175,7 @@ def move_grads_(
     tensors of the same shapes, contiguous, on that device. On CUDA with Triton (or
     ``GRADSCALER_KERNEL=triton``) one pass: 2 bytes read and 4 written per value, the flag and the
     norm terms folded in on the way. Elsewhere torch's ops: the copy, ``grad_stats`` over the float32
-    copies when norms are asked (or no ``factor`` gives the flag), then check-and-unscale. Either way
+    copies when norms are asked, then check-and-unscale (by 1 without ``factor``, for the flag). Either way
     the norms equal, bit for bit, those ``grad_stats`` gives for ``[s.float() for s in src]`` (the
     Triton passes sum the same float64 terms over the same chunks for every input dtype).
     """
@@ -192,11 +192,13 @@ def move_grads_(
                 raise
             fall_back(device, str(error))  # nothing is left half-done: the copy below rewrites every value
     torch._foreach_copy_(dst, src)
-    stats = grad_stats(dst, norm_type, norm_inv) if norm_type is not None or factor is None else None
-    if factor is not None:
-        flag = torch.zeros((), dtype=torch.float32, device=src[0].device)
-        torch._amp_foreach_non_finite_check_and_unscale_(dst, flag, moved(factor, flag.device, torch.float32))
-        if stats is None:
-            return GradStats(flag, None)
-    assert stats is not None  # asked for above whenever no factor gives the flag
-    return stats
+    stats = grad_stats(dst, norm_type, norm_inv) if norm_type is not None else None
+    if stats is not None and factor is None:
+        return stats
+    flag = torch.zeros((), dtype=torch.float32, device=src[0].device)
+    # No factor (a fused optimizer unscales in its step): a multiply by 1 writes every copied value as it
+    # is and gives the flag in one op, as torch's scaler checks a fused optimizer's gradients; a read pass
+    # for the flag alone is six launches more (the copies are this call's own: nothing else sees the write).
+    by = torch.ones_like(flag) if factor is None else moved(factor, flag.device, torch.float32)
+    torch._amp_foreach_non_finite_check_and_unscale_(dst, flag, by)
+    return GradStats(flag, None) if stats is None else stats

@@ -146,6 +146,8 @@ class Binding:
             for pair in plain:
                 pair.exact = True
                 pair.seen()
+        if len(plain) == len(pairs):
+            return
         copied = {id(pair) for pair in plain}
         for pair in pairs:
             if id(pair) not in copied:

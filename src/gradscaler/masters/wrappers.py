@@ -23,12 +23,15 @@ from gradscaler import compiled
 from gradscaler.masters import zeroing
 from gradscaler.masters.checks import LOW_PRECISION, PARAM_ATTR
 
-# id of a parameter whose gradient is in its master this iteration -> a weak reference to that master, for
-# every scaler: ``stand_ins`` lets a clipping call over ``model.parameters()`` reach the masters. Keyed by id and
-# weak on the master only: a weak reference to the parameter itself would make torch refuse to swap it
-# (``torch.__future__.set_swap_module_params_on_conversion(True)``: "Cannot swap t1 because it has weakref").
+# id of a parameter a scaler's master stands for -> a weak reference to that master, for every scaler, kept
+# while the master lives (made once, not at every move); ``_OPEN``: the ids among them whose gradient is in
+# the master this iteration. ``stand_ins`` lets a clipping call over ``model.parameters()`` reach those
+# masters. Keyed by id and weak on the master only: a weak reference to the parameter itself would make torch
+# refuse to swap it (``torch.__future__.set_swap_module_params_on_conversion(True)``: "Cannot swap t1 because
+# it has weakref").
 _MOVED: dict[int, weakref.ReferenceType[torch.Tensor]] = {}
-# the ids among them of parameters that are not float16/bfloat16 (``model.float()`` on a bound model)
+_OPEN: set[int] = set()
+# the ids among the open ones of parameters that are not float16/bfloat16 (``model.float()`` on a bound model)
 _WIDE: set[int] = set()
 torch_clip_grad_norm_ = torch.nn.utils.clip_grad_norm_
 """torch's own ``clip_grad_norm_``, as torch defines it."""
@@ -39,27 +42,31 @@ torch_clip_grad_value_ = torch.nn.utils.clip_grad_value_
 def route(low: torch.Tensor, master: torch.Tensor) -> None:
     """``low``'s gradient is now ``master``'s: a clipping over ``low`` clips ``master``."""
     key = id(low)
+    known = _MOVED.get(key)
+    if known is None or known() is not master:
 
-    def gone(ref: weakref.ReferenceType[torch.Tensor]) -> None:
-        if _MOVED.get(key) is ref:
-            del _MOVED[key]
-            _WIDE.discard(key)
+        def gone(ref: weakref.ReferenceType[torch.Tensor]) -> None:
+            if _MOVED.get(key) is ref:
+                del _MOVED[key]
+                unroute(key)
 
-    _MOVED[key] = weakref.ref(master, gone)
+        _MOVED[key] = weakref.ref(master, gone)
+    _OPEN.add(key)
     if low.dtype in LOW_PRECISION:
         _WIDE.discard(key)
     else:
         _WIDE.add(key)
 
 
-def unroute(low: torch.Tensor) -> None:
-    """``low``'s iteration is over: a clipping over it clips it again."""
-    _MOVED.pop(id(low), None)
-    _WIDE.discard(id(low))
+def unroute(key: int) -> None:
+    """The iteration of the parameter whose id is ``key`` is over: a clipping over it clips it again."""
+    _OPEN.discard(key)
+    _WIDE.discard(key)
 
 
 def _stand_in(param: torch.Tensor) -> torch.Tensor:
-    ref = _MOVED.get(id(param))
+    key = id(param)
+    ref = _MOVED.get(key) if key in _OPEN else None
     master = None if ref is None else ref()
     return master if master is not None and getattr(master, PARAM_ATTR, None) is param else param
 
