@@ -40,7 +40,8 @@ or not, an inf or NaN in one of them, ``block`` without
 a gradient in some, all or none of them, a clipping, ``step``, ``update``) and ``save_and_resume`` (a checkpoint
 now and a new process resuming from it); and ``unscale_every_micro_batch`` (``unscale_``, and a clipping, after each
 backward of a window: the second ``unscale_`` raises torch's error on both sides, and the loop updates and starts
-again). Optimizers: AdamW (foreach, behind five subclasses that override
+again); and, with float32 sums, ``refused_backward`` (ours refuses ``backward(create_graph=True)`` of a scaled loss
+and changes nothing; the recipe makes no call). Optimizers: AdamW (foreach, behind five subclasses that override
 ``state_dict``, as wrappers stack), fused AdamW, SGD with momentum, Adagrad; starting scales 2**14 (applied steps)
 or 2**40 (every step skipped for a long while, so the optimizer has no state).
 
@@ -115,6 +116,7 @@ import contextlib
 import copy
 import io
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -566,6 +568,28 @@ class MastersMachine(RuleBasedStateMachine):
         if self.both("backward", plan) is None:
             self.grads = True
             self.phase = "backward" if self.phase == "idle" else self.phase
+
+    def refuses_create_graph(self) -> bool:
+        """Whether ours refuses a ``backward(create_graph=True)`` of the loss: a float16 parameter every loss
+        reaches (``inp``'s, ``head``'s) trains and has its float32 sum's hook."""
+        accumulation = self.ours.system.scaler._masters._sums
+        model = self.ours.system.model
+        reached = [p for name in ("inp", "head") for p in getattr(model, name).parameters()]
+        return accumulation is not None and any(
+            p.requires_grad and p.dtype == torch.float16 and accumulation.sum_of(p) is not None for p in reached
+        )
+
+    @precondition(lambda self: self.accumulate and self.refuses_create_graph())
+    @rule(use_block=st.booleans())
+    def refused_backward(self, use_block: bool) -> None:
+        """Issue 46 item 4: ours refuses ``scale(loss).backward(create_graph=True)`` and changes nothing, the
+        float32 ``norm`` layer's gradient and every sum included; the recipe makes no call, and the invariant
+        compares every parameter, gradient and master after it as after any rule."""
+        scaled = self.ours.system.scaler.scale(loss_of(self.ours.system.model, self.number + 1, use_block))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's note on create_graph's reference cycle
+            _, error = outcome(lambda: scaled.backward(create_graph=True))
+        assert error is not None and error.startswith("RuntimeError: Take the penalty's gradient"), error
 
     @precondition(lambda self: self.grads)
     @rule(clip=st.sampled_from([None, None, 1e-3, 0.5]))

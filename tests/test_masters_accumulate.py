@@ -1103,3 +1103,45 @@ def test_a_second_scaler_taking_over_the_bound_optimizer_equals_the_recipe(how: 
         gc.collect()
     assert_same_trace(run(ours, range(3, 7), 4, trace), run(reference, range(3, 7), 4, expected))
     assert_same_state(ours.optimizer, reference.optimizer)
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+@pytest.mark.parametrize("refused_at", [0, 1])
+def test_a_refused_create_graph_backward_leaves_float32_layers_and_sums_as_they_were(refused_at: int) -> None:
+    """A float16 body under a float32 head: autograd reaches the head first. The refusal comes before the
+    backward writes anything (it came at the first float16 parameter, after the head's gradient and any sum
+    of a parameter whose gradient needs no graph were written: the plain backward the message advises then
+    added to them). The run with the refused call equals, bit for bit, the same run without it."""
+
+    def run(refuse: bool) -> tuple[list[torch.Tensor], list[Any]]:
+        torch.manual_seed(0)
+        body, head = nn.Linear(6, 6).half(), nn.Linear(6, 1)
+        optimizer = torch.optim.AdamW([*body.parameters(), *head.parameters()], lr=1e-2)
+        scaler = GradScaler("cpu", master_weights=True, accumulate_grads_in_fp32=True, init_scale=2.0**8)
+        seen: list[Any] = []
+        for _ in range(3):
+            for micro in range(2):
+                x = torch.randn(4, 6, dtype=torch.float16)
+
+                def loss(x: torch.Tensor = x) -> torch.Tensor:
+                    return head(torch.tanh(body(x)).float()).pow(2).mean()
+
+                if refuse and micro == refused_at:
+                    before = [None if p.grad is None else p.grad.clone() for p in head.parameters()]
+                    with pytest.raises(RuntimeError, match="create_graph=True"):
+                        scaler.scale(loss()).backward(create_graph=True)
+                    after = [None if p.grad is None else p.grad.clone() for p in head.parameters()]
+                    for a, b in zip(after, before, strict=True):
+                        assert a is b is None or (a is not None and b is not None and same([a], [b]))
+                    (penalty,) = torch.autograd.grad(scaler.scale(loss()), [head.weight], create_graph=True)
+                    seen.append(penalty.detach().clone())  # torch.autograd.grad goes on, writing nothing
+                scaler.scale(loss()).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+        return [p.detach().clone() for p in [*body.parameters(), *head.parameters()]], seen
+
+    plain, _ = run(refuse=False)
+    refused, penalties = run(refuse=True)
+    assert same(refused, plain)
+    assert len(penalties) == 3 and all(bool(torch.isfinite(p).all()) for p in penalties)

@@ -241,6 +241,16 @@ class TestGradSnapshot:
         params = self.params()
         assert GradSnapshot(params).changed(params[:2])
 
+    def test_a_parameter_added_since_counts_only_with_a_gradient(self) -> None:
+        """``add_param_group`` between an interrupted step's ``scale()`` and its retry is no backward (the masters
+        machine drew it: the retry was refused as a sum of unscaled and scaled gradients)."""
+        params = self.params()
+        snapshot = GradSnapshot(params[:2])
+        params[2].grad = None
+        assert not snapshot.changed(params)
+        params[2].grad = torch.ones(1)
+        assert snapshot.changed(params)
+
     def test_keeps_no_gradient_alive(self) -> None:
         params = self.params()
         ref = weakref.ref(params[0].grad)

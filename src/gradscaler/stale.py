@@ -51,12 +51,14 @@ class GradSnapshot:
     ``largest_magnitude`` of the gradients a new backward adds to, taken at the same moment or just before.
     """
 
-    __slots__ = ("_left", "_refs", "_versions")
+    __slots__ = ("_left", "_seen")
 
     def __init__(self, params: Sequence[torch.Tensor], left: torch.Tensor | None = None) -> None:
-        grads = [p.grad for p in params]
-        self._refs = [None if g is None else weakref.ref(g) for g in grads]
-        self._versions = [None if g is None else g._version for g in grads]
+        # id of each parameter -> a weak reference to its gradient (None: it had none) and the gradient's version
+        self._seen: dict[int, tuple[weakref.ReferenceType[torch.Tensor] | None, int | None]] = {}
+        for param in params:
+            grad = param.grad
+            self._seen[id(param)] = (None, None) if grad is None else (weakref.ref(grad), grad._version)
         self._left = left
 
     def cleared(self) -> bool:
@@ -65,17 +67,22 @@ class GradSnapshot:
         return self._left is None or bool(self._left.eq(0).item())
 
     def changed(self, params: Sequence[torch.Tensor]) -> bool:
-        """Whether any parameter of ``params`` now holds another gradient, or one written since."""
-        if len(params) != len(self._refs):
-            return True
-        for param, ref, version in zip(params, self._refs, self._versions, strict=True):
+        """Whether any parameter of ``params`` now holds another gradient, or one written since; a parameter
+        added since the snapshot (``add_param_group``) only if it holds one; one gone from them, always."""
+        found = 0
+        for param in params:
             grad = param.grad
+            seen = self._seen.get(id(param))
+            found += seen is not None
+            ref, version = (None, None) if seen is None else seen
             if grad is None or ref is None:
-                if grad is not None or ref is not None:
+                if grad is not None:
                     return True
+                if ref is not None:
+                    return True  # its gradient was set to None since (a zero_grad)
             elif ref() is not grad or grad._version != version:
                 return True
-        return False
+        return found != len(self._seen)
 
 
 def largest_magnitude(params: Sequence[torch.Tensor]) -> torch.Tensor | None:

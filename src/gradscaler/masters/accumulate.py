@@ -36,6 +36,7 @@ reduce-scatters each backward's gradient itself: its ``reduce_dtype`` is the set
 
 from __future__ import annotations
 
+import functools
 import operator
 import weakref
 from collections.abc import Callable
@@ -49,6 +50,7 @@ from gradscaler.errors import warn
 from gradscaler.masters import sums
 from gradscaler.masters.checks import (
     BOUND_CLIPPING_MESSAGE,
+    CREATE_GRAPH_MESSAGE,
     DDP_MESSAGE,
     FSDP2_MESSAGE,
     HELD_DDP_MESSAGE,
@@ -78,6 +80,22 @@ def _orphaned(watched: WeakIdKeyDictionary, found: weakref.WeakValueDictionary[i
         hook = found.get(id(param))
         if hook is not None and hook.handle is not None:
             hook.release(param)
+
+
+def _before_backward(
+    output: weakref.ReferenceType[torch.Tensor], owner: weakref.ReferenceType[Accumulation], grads: Any
+) -> None:
+    """The first thing a backward of a scaled ``output`` runs: a ``backward(create_graph=True)`` that would
+    accumulate into a parameter ``owner`` sums is refused here, before it writes any gradient or sum (a
+    parameter's own hook would refuse it only once autograd reached it: the sums and float32 gradients
+    written before stayed, and the plain backward the message advises added to them). Its grad mode tells a
+    backward with ``create_graph``; ``torch.autograd.grad`` accumulates into no parameter and goes on."""
+    scaled, sums = output(), owner()
+    if scaled is None or sums is None or not torch.is_grad_enabled():
+        return
+    for param in graph_leaves(scaled, running=True):
+        if sums.sum_of(param) is not None:
+            raise RuntimeError(CREATE_GRAPH_MESSAGE.format(shape=tuple(param.shape), dtype=param.dtype))
 
 
 class Accumulation:
@@ -120,6 +138,8 @@ class Accumulation:
         conversion swapped since (``Sum.rehook``), before this backward reaches it: the ``bound()`` ones
         (the masters') and the low-precision ones in the groups of every optimizer met (unfrozen since a
         binding that gave them no master, or added since: hooked, bound at the next move)."""
+        if isinstance(output, torch.Tensor) and output.grad_fn is not None:
+            output.grad_fn.register_prehook(functools.partial(_before_backward, weakref.ref(output), weakref.ref(self)))
         if self.watching and isinstance(output, torch.Tensor) and output.grad_fn is not None:
             self.scaled += 1
             sums.CLAIMING.add(self)

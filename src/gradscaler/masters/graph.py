@@ -13,10 +13,12 @@ import torch
 from gradscaler.masters.checks import LOW_PRECISION
 
 
-def graph_leaves(output: torch.Tensor) -> list[torch.Tensor]:
+def graph_leaves(output: torch.Tensor, running: bool = False) -> list[torch.Tensor]:
     """The float16/bfloat16 ``nn.Parameter``s whose gradients a backward of ``output`` accumulates: the
     ``AccumulateGrad`` nodes of its graph, and the parameters a reentrant checkpoint's node hides
-    (``checkpointed``; with the parameters of everything its function reaches, some maybe twice)."""
+    (``checkpointed``; with the parameters of everything its function reaches, some maybe twice).
+    ``running``: called inside that backward, before it reaches them: the parameters it will accumulate into
+    (none for ``torch.autograd.grad``; those of ``inputs``), a checkpoint's hidden ones left out."""
     found: list[torch.Tensor] = []
     stack = [output.grad_fn]
     # Each node seen is held here: torch (2.11 and older) makes a new Python object for a node at each
@@ -30,14 +32,23 @@ def graph_leaves(output: torch.Tensor) -> list[torch.Tensor]:
         seen[id(node)] = node
         variable = getattr(node, "variable", None)
         if variable is not None:
-            if isinstance(variable, torch.nn.Parameter) and variable.dtype in LOW_PRECISION:
+            low = isinstance(variable, torch.nn.Parameter) and variable.dtype in LOW_PRECISION
+            if low and (not running or _accumulates(node)):
                 found.append(variable)
             continue
         function = getattr(node, "run_function", None)
-        if function is not None:  # and its other arguments (torch keeps them as ``inputs``, tensors as None)
+        if function is not None and not running:  # its other arguments: ``inputs`` (tensors as None)
             found.extend(checkpointed((function, getattr(node, "inputs", None)), depth=5))
         stack.extend(next_node for next_node, _ in node.next_functions)
     return found
+
+
+def _accumulates(node: Any) -> bool:
+    """Inside a backward: whether it will run ``node``, an ``AccumulateGrad``."""
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError:  # torch.autograd.grad: it accumulates into no leaf (torch refuses to be asked of one)
+        return False
 
 
 _WIDEST = 4096  # items of a list or tuple that ``checkpointed`` looks at
