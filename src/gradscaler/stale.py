@@ -69,11 +69,12 @@ class GradSnapshot:
     def changed(self, params: Sequence[torch.Tensor]) -> bool:
         """Whether any parameter of ``params`` now holds another gradient, or one written since; a parameter
         added since the snapshot (``add_param_group``) only if it holds one; one gone from them, always."""
-        found = 0
+        found: set[int] = set()
         for param in params:
             grad = param.grad
             seen = self._seen.get(id(param))
-            found += seen is not None
+            if seen is not None:
+                found.add(id(param))
             ref, version = (None, None) if seen is None else seen
             if grad is None or ref is None:
                 if grad is not None:
@@ -82,7 +83,7 @@ class GradSnapshot:
                     return True  # its gradient was set to None since (a zero_grad)
             elif ref() is not grad or grad._version != version:
                 return True
-        return found != len(self._seen)
+        return len(found) != len(self._seen)
 
 
 def largest_magnitude(params: Sequence[torch.Tensor]) -> torch.Tensor | None:
