@@ -1106,12 +1106,16 @@ def test_a_second_scaler_taking_over_the_bound_optimizer_equals_the_recipe(how: 
 
 
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+@pytest.mark.parametrize("halved", [False, True], ids=["scaled", "scaled-then-halved"])
 @pytest.mark.parametrize("refused_at", [0, 1])
-def test_a_refused_create_graph_backward_leaves_float32_layers_and_sums_as_they_were(refused_at: int) -> None:
+def test_a_refused_create_graph_backward_leaves_float32_layers_and_sums_as_they_were(
+    refused_at: int, halved: bool
+) -> None:
     """A float16 body under a float32 head: autograd reaches the head first. The refusal comes before the
     backward writes anything (it came at the first float16 parameter, after the head's gradient and any sum
     of a parameter whose gradient needs no graph were written: the plain backward the message advises then
-    added to them). The run with the refused call equals, bit for bit, the same run without it."""
+    added to them). The run with the refused call equals, bit for bit, the same run without it. ``halved``:
+    the scaled loss a temporary under another op (the refusal takes the running node, not the output)."""
 
     def run(refuse: bool) -> tuple[list[torch.Tensor], list[Any]]:
         torch.manual_seed(0)
@@ -1129,7 +1133,7 @@ def test_a_refused_create_graph_backward_leaves_float32_layers_and_sums_as_they_
                 if refuse and micro == refused_at:
                     before = [None if p.grad is None else p.grad.clone() for p in head.parameters()]
                     with pytest.raises(RuntimeError, match="create_graph=True"):
-                        scaler.scale(loss()).backward(create_graph=True)
+                        (scaler.scale(loss()) / 2 if halved else scaler.scale(loss())).backward(create_graph=True)
                     after = [None if p.grad is None else p.grad.clone() for p in head.parameters()]
                     for a, b in zip(after, before, strict=True):
                         assert a is b is None or (a is not None and b is not None and same([a], [b]))

@@ -82,18 +82,21 @@ def _orphaned(watched: WeakIdKeyDictionary, found: weakref.WeakValueDictionary[i
             hook.release(param)
 
 
-def _before_backward(
-    output: weakref.ReferenceType[torch.Tensor], owner: weakref.ReferenceType[Accumulation], grads: Any
-) -> None:
-    """The first thing a backward of a scaled ``output`` runs: a ``backward(create_graph=True)`` that would
-    accumulate into a parameter ``owner`` sums is refused here, before it writes any gradient or sum (a
-    parameter's own hook would refuse it only once autograd reached it: the sums and float32 gradients
-    written before stayed, and the plain backward the message advises added to them). Its grad mode tells a
-    backward with ``create_graph``; ``torch.autograd.grad`` accumulates into no parameter and goes on."""
-    scaled, sums = output(), owner()
-    if scaled is None or sums is None or not torch.is_grad_enabled():
+def _before_backward(owner: weakref.ReferenceType[Accumulation], grads: Any) -> None:
+    """Run by a backward at a scaled output's node, the first it runs when that output is its one root: a
+    ``backward(create_graph=True)`` that would accumulate into a parameter ``owner`` sums is refused here,
+    before it writes any gradient or sum (a parameter's own hook would refuse it only once autograd reached
+    it: the sums and float32 gradients written before stayed, and the plain backward the message advises
+    added to them). Its grad mode tells a backward with ``create_graph``; ``torch.autograd.grad`` accumulates
+    into no parameter and goes on. The node is the running one (no reference to the output, which may be a
+    temporary: ``(scaler.scale(loss) / 2).backward()``)."""
+    sums = owner()
+    if sums is None or not torch.is_grad_enabled():
         return
-    for param in graph_leaves(scaled, running=True):
+    node = torch._C._current_autograd_node()
+    if node is None:
+        return
+    for param in graph_leaves(node, running=True):
         if sums.sum_of(param) is not None:
             raise RuntimeError(CREATE_GRAPH_MESSAGE.format(shape=tuple(param.shape), dtype=param.dtype))
 
@@ -138,8 +141,6 @@ class Accumulation:
         conversion swapped since (``Sum.rehook``), before this backward reaches it: the ``bound()`` ones
         (the masters') and the low-precision ones in the groups of every optimizer met (unfrozen since a
         binding that gave them no master, or added since: hooked, bound at the next move)."""
-        if isinstance(output, torch.Tensor) and output.grad_fn is not None:
-            output.grad_fn.register_prehook(functools.partial(_before_backward, weakref.ref(output), weakref.ref(self)))
         if self.watching and isinstance(output, torch.Tensor) and output.grad_fn is not None:
             self.scaled += 1
             sums.CLAIMING.add(self)
@@ -154,6 +155,8 @@ class Accumulation:
             self.wake()
         elif self._asleep:
             self.stir()
+        if self._sums and isinstance(output, torch.Tensor) and output.grad_fn is not None:  # hooks to guard
+            output.grad_fn.register_prehook(functools.partial(_before_backward, weakref.ref(self)))
         return output
 
     def sum_of(self, param: torch.Tensor) -> Sum | None:

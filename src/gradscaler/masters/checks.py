@@ -205,10 +205,10 @@ SPARSE_MESSAGE = (
 
 CREATE_GRAPH_MESSAGE = (
     "Take the penalty's gradient with torch.autograd.grad(..., create_graph=True) and call backward() "
-    "without create_graph, or leave accumulate_grads_in_fp32 out. With accumulate_grads_in_fp32=True the "
-    "gradient of a parameter of shape {shape} ({dtype}) requires grad (a backward with create_graph=True, "
-    "for a double backward such as a gradient penalty), and the float32 sum would cut it from its graph. "
-    "Nothing was added for this backward."
+    "without create_graph, or leave accumulate_grads_in_fp32 out. With accumulate_grads_in_fp32=True a "
+    "backward with create_graph=True (a double backward such as a gradient penalty) reaches a parameter of "
+    "shape {shape} ({dtype}) whose gradient is summed in float32, and the float32 sum would cut that "
+    "gradient from its graph. Nothing was added for this backward."
 )
 
 WRITTEN_MESSAGE = (

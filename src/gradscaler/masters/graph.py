@@ -13,14 +13,14 @@ import torch
 from gradscaler.masters.checks import LOW_PRECISION
 
 
-def graph_leaves(output: torch.Tensor, running: bool = False) -> list[torch.Tensor]:
+def graph_leaves(output: Any, running: bool = False) -> list[torch.Tensor]:
     """The float16/bfloat16 ``nn.Parameter``s whose gradients a backward of ``output`` accumulates: the
     ``AccumulateGrad`` nodes of its graph, and the parameters a reentrant checkpoint's node hides
     (``checkpointed``; with the parameters of everything its function reaches, some maybe twice).
-    ``running``: called inside that backward, before it reaches them: the parameters it will accumulate into
-    (none for ``torch.autograd.grad``; those of ``inputs``), a checkpoint's hidden ones left out."""
+    ``running``: called inside that backward, before it reaches them, ``output`` its node: the parameters it will
+    accumulate into (none for ``torch.autograd.grad``; those of ``inputs``), a checkpoint's hidden ones left out."""
     found: list[torch.Tensor] = []
-    stack = [output.grad_fn]
+    stack = [getattr(output, "grad_fn", output)]  # a tensor's node, or the node itself
     # Each node seen is held here: torch (2.11 and older) makes a new Python object for a node at each
     # access and frees it after, so a bare id() set would meet a freed node's id again on another node
     # and skip it (and every parameter below it).
