@@ -69,21 +69,22 @@ class GradSnapshot:
     def changed(self, params: Sequence[torch.Tensor]) -> bool:
         """Whether any parameter of ``params`` now holds another gradient, or one written since; a parameter
         added since the snapshot (``add_param_group``) only if it holds one; one gone from them, always."""
-        found: set[int] = set()
+        met: set[int] = set()
         for param in params:
             grad = param.grad
             seen = self._seen.get(id(param))
-            if seen is not None:
-                found.add(id(param))
-            ref, version = (None, None) if seen is None else seen
-            if grad is None or ref is None:
+            if seen is None:  # added since
                 if grad is not None:
                     return True
-                if ref is not None:
-                    return True  # its gradient was set to None since (a zero_grad)
-            elif ref() is not grad or grad._version != version:
+                continue
+            met.add(id(param))
+            ref, version = seen
+            if ref is None:
+                if grad is not None:
+                    return True
+            elif grad is None or ref() is not grad or grad._version != version:  # None: a zero_grad since
                 return True
-        return len(found) != len(self._seen)
+        return len(met) != len(self._seen)
 
 
 def largest_magnitude(params: Sequence[torch.Tensor]) -> torch.Tensor | None:
