@@ -47,6 +47,7 @@ from gradscaler.masters import checkpoint, sums
 from gradscaler.masters.accumulate import Accumulation
 from gradscaler.masters.checkpoint import SAVED_KEY
 from gradscaler.masters.checks import (
+    LOW_PRECISION,
     PARAM_ATTR,
     WRITTEN_LOW_GRADS_MESSAGE,
     check_inner_optimizers,
@@ -63,14 +64,21 @@ from gradscaler.masters.ddp import NOT_ACCUMULATING_MESSAGE
 from gradscaler.masters.moved import NOTHING, Moved, copied_stats, dense, movable
 from gradscaler.masters.pairs import Binding, Pair
 from gradscaler.masters.sums import give_way
-from gradscaler.masters.wrappers import AddParamGroupChecked, ZeroGradBoth, route, route_clipping, unroute, unwrap
+from gradscaler.masters.wrappers import (
+    AddParamGroupChecked,
+    ZeroGradBoth,
+    close_routes,
+    open_routes,
+    route,
+    route_clipping,
+    unwrap,
+)
 
 
 def _end(binding: Binding) -> None:
     """End ``binding``'s iteration (``Binding.end``) and close the clipping route of its parameters."""
     binding.end()
-    for pair in binding.pairs:
-        unroute(id(pair.low))
+    close_routes(binding.keys)
 
 
 def _one_pass(optimizer: torch.optim.Optimizer, binding: Binding, moving: list[tuple[Pair, torch.Tensor]]) -> bool:
@@ -178,25 +186,25 @@ class MasterWeights:
             self._sums.check_clipping()
             self._sums.refuse(binding, functools.partial(self._name, optimizer))
             with torch.no_grad():
-                for pair in binding.pairs:
-                    if pair.written():
-                        pair.refresh()
+                for pair in binding.written():
+                    pair.refresh()
                 self._sums.take(binding)
             binding.moved = True
             return Moved({}, {}, {}, grads.new_groups())
         if sums.CLAIMING:  # a scaler's first iteration: its graphs' hooks may hold these parameters' gradients
             give_way(binding.lows())
         with torch.no_grad():
+            for pair in binding.written():  # a model load, an edit, weights copied in since the last step
+                pair.refresh()
             moving: list[tuple[Pair, torch.Tensor]] = []
             for pair in binding.pairs:
-                if pair.written():  # a model load, an edit, weights copied in since the last step
-                    pair.refresh()
-                if pair.low.grad is None:
+                grad = pair.low.grad
+                if grad is None:
                     pair.master.grad = None  # no gradient this iteration: not stepped, as the recipe by hand
                 else:
-                    moving.append((pair, pair.low.grad))
+                    moving.append((pair, grad))
             joint = norm_type is not None and not _one_pass(optimizer, binding, moving)
-            result = self._move(moving, factor, None if joint else norm_type, norm_inv, keep)
+            result = self._move(binding, moving, factor, None if joint else norm_type, norm_inv, keep)
         binding.moved = True
         return Moved(result.flags, {}, {}, grads.new_groups()) if joint else result
 
@@ -218,12 +226,11 @@ class MasterWeights:
         route_clipping()
         self._sums.check_clipping()  # torch's clipping bound by name on the caller's stack: a warning, once
         with torch.no_grad():
-            for pair in binding.pairs:
-                if refresh and pair.written():
-                    pair.refresh()
-                if not settled:
-                    self._sums.hand_over(pair)
-                    route(pair.low, pair.master)
+            for pair in binding.written() if refresh else []:
+                pair.refresh()
+            for pair in [] if settled else binding.pairs:
+                self._sums.hand_over(pair)
+                route(pair.low, pair.master)
         return binding
 
     def copy_back(self, optimizer: torch.optim.Optimizer) -> None:
@@ -237,6 +244,7 @@ class MasterWeights:
 
     @staticmethod
     def _move(
+        binding: Binding,
         moving: list[tuple[Pair, torch.Tensor]],
         factor: torch.Tensor | None,
         norm_type: float | None,
@@ -245,14 +253,15 @@ class MasterWeights:
     ) -> Moved:
         result = Moved({}, {}, {}, grads.new_groups())
         batches: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], ...]] = {}
+        opened: list[int] = []  # the parameters whose float16/bfloat16 gradient moved: routed together
         for pair, grad in moving:
-            master = pair.master
-            if movable(grad):
+            master, dtype = pair.master, grad.dtype
+            if dtype in LOW_PRECISION and dense(grad):  # ``movable``, one call less per parameter
                 out = master.grad
                 if out is None or type(out) is not torch.Tensor or not out.is_contiguous():
                     # like the gradient (dense, contiguous): a quarter of the host time of torch.empty(shape, ...)
                     out = master.grad = torch.empty_like(grad, dtype=torch.float32)
-                key = (grad.device, grad.dtype)
+                key = (grad.device, dtype)
                 batch = batches.get(key)
                 if batch is None:
                     batch = batches[key] = ([], [], [])
@@ -260,15 +269,18 @@ class MasterWeights:
                 src.append(grad)
                 dst.append(out)
                 owners.append(master)
+                opened.append(id(pair.low))
             else:
                 master.grad = grad.to(torch.float32, copy=True)
                 view = grads.checkable_view(master.grad)
                 result.add([master], [view], copied_stats(view, factor, norm_type, norm_inv))
+                route(pair.low, master)
             if keep and dense(grad):
                 pair.kept = grad
+                binding.kept_any = True
             else:
                 pair.low.grad = None
-            route(pair.low, master)
+        binding.routed = open_routes(binding.pairs, opened, binding.routed)
         for src, dst, owners in batches.values():
             result.add(owners, dst, move_grads_(src, dst, factor, norm_type, norm_inv))
         return result
@@ -278,7 +290,7 @@ class MasterWeights:
         what ``model.parameters()`` show is never still multiplied by the scale (one write of 2 bytes
         per value; only on this path). ``before_step`` refuses them written since."""
         binding = self._bindings.get(optimizer)
-        if binding is None:
+        if binding is None or not binding.kept_any:
             return
         kept = [pair for pair in binding.pairs if pair.kept is not None and pair.master.grad is not None]
         if kept:
@@ -295,7 +307,7 @@ class MasterWeights:
             return
         if self._sums is not None:
             self._sums.refuse(binding, functools.partial(self._name, optimizer), before_step=True)
-        for number, pair in enumerate(binding.pairs):
+        for number, pair in enumerate(binding.pairs if binding.kept_any else []):
             kept, grad = pair.kept, pair.low.grad
             if kept is not None and grad is not None and (grad is not kept or grad._version != pair.kept_version):
                 raise ValueError(WRITTEN_LOW_GRADS_MESSAGE.format(name=self._name(optimizer, pair, number)))
@@ -443,8 +455,7 @@ class MasterWeights:
                     state = saved.get("state", {}).get(index)
                     optimizer.state[param] = checkpoint.exact_state(optimizer.state[param], state)
             return resumed is not None
-        binding.pairs.append(pair)
-        binding.by_master[id(pair.master)] = pair
+        binding.add(pair)
         return continued
 
     def _owners(self) -> dict[int, weakref.ReferenceType[torch.optim.Optimizer]]:

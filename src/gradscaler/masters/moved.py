@@ -3,6 +3,7 @@ gradients its one pass takes (``movable``)."""
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -57,7 +58,10 @@ class Moved:
         """``params`` without the masters whose gradients this pass moved and checked."""
         if not self.owners:
             return params
-        covered = {id(m) for owners in self.owners.values() for m in owners}
+        moved = [m for owners in self.owners.values() for m in owners]
+        if len(moved) == len(params) and all(map(operator.is_, moved, params)):
+            return []  # every parameter, in their order (a float16 model's step): no set of ids to build
+        covered = {id(m) for m in moved}
         return [p for p in params if id(p) not in covered]
 
 

@@ -15,10 +15,17 @@ import torch
 
 from gradscaler.masters import checkpoint
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
 
 def _storage(tensor: torch.Tensor) -> int | None:
     """Where a plain tensor's values live (a ``p.data = ...`` moves it); None for subclasses (DTensor)."""
-    return tensor.data_ptr() if type(tensor) in (torch.Tensor, torch.nn.Parameter) else None
+    return tensor.data_ptr() if type(tensor) in _PLAIN else None
+
+
+def _storages(tensors: list[torch.Tensor]) -> list[int | None]:
+    """``_storage`` of each of ``tensors``, in one comprehension (no call per tensor)."""
+    return [tensor.data_ptr() if type(tensor) in _PLAIN else None for tensor in tensors]
 
 
 @dataclass
@@ -131,21 +138,47 @@ class Binding:
     by_master: dict[int, Pair] = field(default_factory=dict)
     moved: bool = False
     hooks: list[Any] = field(default_factory=list)
+    keys: list[int] = field(default_factory=list)  # id of each pair's parameter, in the order of ``pairs``
+    routed: tuple[int, int] = (-1, -1)  # ``wrappers.open_routes``'s mark of the routes made for these pairs
+    kept_any: bool = False  # a float16 gradient may be kept (``Pair.kept``): the user's ``unscale_``
+    _lows: list[torch.Tensor] = field(default_factory=list)
+
+    def add(self, pair: Pair) -> None:
+        """A new pair (pairs are only ever added: a binding lives as long as its optimizer)."""
+        self.pairs.append(pair)
+        self.by_master[id(pair.master)] = pair
+        self.keys.append(id(pair.low))
+        self._lows.append(pair.low)
 
     def lows(self) -> list[torch.Tensor]:
-        return [pair.low for pair in self.pairs]
+        """The parameters, in the order of ``pairs`` (the binding's own list: not to be changed)."""
+        return self._lows
+
+    def written(self) -> list[Pair]:
+        """The pairs whose parameter may differ from its master rounded (``Pair.written``). Where none was
+        written (every step of a loop that leaves its parameters to the optimizer) this is four
+        comprehensions and two comparisons of lists, not a call per pair."""
+        pairs, lows = self.pairs, self._lows
+        if [low._version for low in lows] == [pair.low_version for pair in pairs] and _storages(lows) == [
+            pair.low_storage for pair in pairs
+        ]:
+            return []
+        return [pair for pair in pairs if pair.written()]
 
     def copy_back(self, skipped: torch.Tensor | None, pairs: list[Pair] | None = None) -> None:
         """``Pair.copy_back`` for every pair (or those of ``pairs``); the plain tensors that simply take their
         masters' values in one multi-tensor copy (one launch per device and dtype, not one per parameter).
         DTensors, which have no multi-tensor copy, and parameters a fused skip may keep, one by one."""
         pairs = self.pairs if pairs is None else pairs
-        plain = [p for p in pairs if (skipped is None or p.exact) and _storage(p.low) is not None]
+        if skipped is None:
+            plain = [p for p in pairs if type(p.low) in _PLAIN]
+        else:
+            plain = [p for p in pairs if p.exact and type(p.low) in _PLAIN]
         if plain:
-            torch._foreach_copy_([pair.low for pair in plain], [pair.master for pair in plain])  # type: ignore[misc]
-            for pair in plain:
-                pair.exact = True
-                pair.seen()
+            lows = [pair.low for pair in plain]
+            before = _storages(lows)
+            torch._foreach_copy_(lows, [pair.master for pair in plain])  # type: ignore[misc]
+            _seen(plain, lows, before)
         if len(plain) == len(pairs):
             return
         copied = {id(pair) for pair in plain}
@@ -204,7 +237,25 @@ class Binding:
 
     def drop_kept(self) -> None:
         """Drop each kept float16 gradient the parameter still holds (a new backward's is not touched)."""
+        if not self.kept_any:
+            return
+        self.kept_any = False
         for pair in self.pairs:
             if pair.kept is not None and pair.low.grad is pair.kept:
                 pair.low.grad = None
             pair.kept = None
+
+
+def _seen(pairs: list[Pair], lows: list[torch.Tensor], before: list[int | None]) -> None:
+    """``Pair.seen`` of plain ``pairs`` (``lows`` their parameters) just written whole in their dtype by a
+    multi-tensor copy: each is its master rounded (``exact``). Where the copy found each parameter in its
+    storage of the last ``seen`` (``before``: the storages when the copy began; a copy neither moves nor
+    retypes a storage), only the version counters are noted, in one comprehension."""
+    if before != [pair.low_storage for pair in pairs] or any(pair.held is None for pair in pairs):
+        for pair in pairs:
+            pair.exact = True
+            pair.seen()
+        return
+    for pair, version in zip(pairs, [low._version for low in lows], strict=True):
+        pair.exact = True
+        pair.low_version = version

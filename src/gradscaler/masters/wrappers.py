@@ -33,6 +33,8 @@ _MOVED: dict[int, weakref.ReferenceType[torch.Tensor]] = {}
 _OPEN: set[int] = set()
 # the ids among the open ones of parameters that are not float16/bfloat16 (``model.float()`` on a bound model)
 _WIDE: set[int] = set()
+# how many times an entry of ``_MOVED`` was made or dropped: routes checked at the same count still hold
+_CHANGES = [0]
 torch_clip_grad_norm_ = torch.nn.utils.clip_grad_norm_
 """torch's own ``clip_grad_norm_``, as torch defines it."""
 torch_clip_grad_value_ = torch.nn.utils.clip_grad_value_
@@ -42,20 +44,47 @@ torch_clip_grad_value_ = torch.nn.utils.clip_grad_value_
 def route(low: torch.Tensor, master: torch.Tensor) -> None:
     """``low``'s gradient is now ``master``'s: a clipping over ``low`` clips ``master``."""
     key = id(low)
+    _make(key, master)
+    _OPEN.add(key)
+    if low.dtype in LOW_PRECISION:
+        _WIDE.discard(key)
+    else:
+        _WIDE.add(key)
+
+
+def _make(key: int, master: torch.Tensor) -> None:
+    """The route of the parameter whose id is ``key`` leads to ``master`` (made once, while ``master`` lives)."""
     known = _MOVED.get(key)
     if known is None or known() is not master:
 
         def gone(ref: weakref.ReferenceType[torch.Tensor]) -> None:
             if _MOVED.get(key) is ref:
                 del _MOVED[key]
+                _CHANGES[0] += 1
                 unroute(key)
 
         _MOVED[key] = weakref.ref(master, gone)
-    _OPEN.add(key)
-    if low.dtype in LOW_PRECISION:
-        _WIDE.discard(key)
-    else:
-        _WIDE.add(key)
+        _CHANGES[0] += 1
+
+
+def open_routes(pairs: list[Any], moving: list[int], checked: tuple[int, int]) -> tuple[int, int]:
+    """Make the route of each of ``pairs`` (each with its ``low`` parameter and its ``master``) and open those
+    of ``moving`` (the ids of parameters among them whose float16/bfloat16 gradient moved: not wide).
+    ``checked``: what the last call returned for these pairs; while no route changed anywhere and no pair
+    was added since, the routes are not made again and opening them is one set update, not a call per
+    parameter. Returns what to pass next time."""
+    if checked != (_CHANGES[0], len(pairs)):
+        for pair in pairs:
+            _make(id(pair.low), pair.master)
+    _OPEN.update(moving)
+    _WIDE.difference_update(moving)
+    return _CHANGES[0], len(pairs)
+
+
+def close_routes(keys: list[int]) -> None:
+    """The iteration of the parameters whose ids are ``keys`` is over: a clipping over them clips them again."""
+    _OPEN.difference_update(keys)
+    _WIDE.difference_update(keys)
 
 
 def unroute(key: int) -> None:
