@@ -164,6 +164,8 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
             return outputs
         if self._per_optimizer_states:  # only after an interrupted iteration (see ``stale``)
             self._watch_unscaled()
+        if isinstance(outputs, torch.Tensor) and self._scale is not None:  # one loss: no closure, no copies
+            return self._masters.watch(outputs * self._scale.to(device=outputs.device, non_blocking=True))
         copies: dict[torch.device, torch.Tensor] = {}
 
         def scale_one(value: Any) -> Any:

@@ -103,6 +103,7 @@ class MasterWeights:
     def __init__(self, accumulate: bool = False) -> None:
         self._bindings: weakref.WeakKeyDictionary[torch.optim.Optimizer, Binding] = weakref.WeakKeyDictionary()
         self._sums = Accumulation() if accumulate else None  # accumulate_grads_in_fp32 (``accumulate``)
+        self._open: dict[int, Binding] = {}  # the bindings moved since the last ``update()``, by id
 
     def __deepcopy__(self, memo: dict[int, Any]) -> MasterWeights:
         # the copy binds its optimizers at first contact, copied masters included
@@ -189,7 +190,7 @@ class MasterWeights:
                 for pair in binding.written():
                     pair.refresh()
                 self._sums.take(binding)
-            binding.moved = True
+            binding.moved, self._open[id(binding)] = True, binding  # ended at update() at the latest
             return Moved({}, {}, {}, grads.new_groups())
         if sums.CLAIMING:  # a scaler's first iteration: its graphs' hooks may hold these parameters' gradients
             give_way(binding.lows())
@@ -205,7 +206,7 @@ class MasterWeights:
                     moving.append((pair, grad))
             joint = norm_type is not None and not _one_pass(optimizer, binding, moving)
             result = self._move(binding, moving, factor, None if joint else norm_type, norm_inv, keep)
-        binding.moved = True
+        binding.moved, self._open[id(binding)] = True, binding
         return Moved(result.flags, {}, {}, grads.new_groups()) if joint else result
 
     def hold(self, optimizer: torch.optim.Optimizer, refresh: bool = True) -> Binding:
@@ -339,9 +340,10 @@ class MasterWeights:
 
     def end_iteration(self) -> None:
         """At ``update()``: every optimizer's iteration is over, stepped or not."""
-        for binding in list(self._bindings.values()):
+        for binding in self._open.values():
             if binding.moved:
                 _end(binding)
+        self._open.clear()
         if self._sums is not None:
             self._sums.end_iteration({id(low) for low in self._lows()})
 
@@ -365,9 +367,7 @@ class MasterWeights:
         loaded = any(SAVED_KEY in group for group in optimizer.param_groups)  # a checkpoint's masters not taken
         if binding is None:
             binding = Binding()
-        elif not loaded and not any(
-            id(p) not in binding.by_master and stands_in(p, every) for p in grads.iter_params(optimizer)
-        ):
+        elif not loaded and not any(stands_in(p, every) for p in binding.others(optimizer)):
             return binding  # the common case: nothing new since the last contact
         if not loaded and not any(stands_in(p, every) for p in grads.iter_params(optimizer)):
             # nothing to master (yet): bound when a low-precision parameter appears. Any held now is frozen

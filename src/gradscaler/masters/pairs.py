@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from gradscaler import grads
 from gradscaler.masters import checkpoint
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -142,6 +143,8 @@ class Binding:
     routed: tuple[int, int] = (-1, -1)  # ``wrappers.open_routes``'s mark of the routes made for these pairs
     kept_any: bool = False  # a float16 gradient may be kept (``Pair.kept``): the user's ``unscale_``
     _lows: list[torch.Tensor] = field(default_factory=list)
+    _params: grads.ParamList = field(default_factory=grads.ParamList)
+    _others: tuple[list[torch.Tensor] | None, list[torch.Tensor]] = (None, [])  # (of which parameters, others)
 
     def add(self, pair: Pair) -> None:
         """A new pair (pairs are only ever added: a binding lives as long as its optimizer)."""
@@ -149,6 +152,17 @@ class Binding:
         self.by_master[id(pair.master)] = pair
         self.keys.append(id(pair.low))
         self._lows.append(pair.low)
+        self._others = (None, [])
+
+    def others(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        """The parameters of ``optimizer`` (this binding's) that are none of its masters; the same list while
+        its param groups hold the same tensors and no pair was added (a float16 model's: empty)."""
+        params = self._params.of(optimizer)
+        of, others = self._others
+        if of is not params:
+            others = [p for p in params if id(p) not in self.by_master]
+            self._others = (params, others)
+        return others
 
     def lows(self) -> list[torch.Tensor]:
         """The parameters, in the order of ``pairs`` (the binding's own list: not to be changed)."""
