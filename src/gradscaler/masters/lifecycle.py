@@ -47,7 +47,6 @@ from gradscaler.masters import checkpoint, sums
 from gradscaler.masters.accumulate import Accumulation
 from gradscaler.masters.checkpoint import SAVED_KEY
 from gradscaler.masters.checks import (
-    LOW_PRECISION,
     PARAM_ATTR,
     WRITTEN_LOW_GRADS_MESSAGE,
     check_inner_optimizers,
@@ -61,7 +60,7 @@ from gradscaler.masters.checks import (
     trained,
 )
 from gradscaler.masters.ddp import NOT_ACCUMULATING_MESSAGE
-from gradscaler.masters.moved import NOTHING, Moved, copied_stats, dense, movable
+from gradscaler.masters.moved import NOTHING, Moved, copied_stats, grad_buffer, movable, one_batch
 from gradscaler.masters.pairs import Binding, Pair
 from gradscaler.masters.sums import give_way
 from gradscaler.masters.wrappers import (
@@ -81,15 +80,6 @@ def _end(binding: Binding) -> None:
     close_routes(binding.keys)
 
 
-def _one_pass(optimizer: torch.optim.Optimizer, binding: Binding, moving: list[tuple[Pair, torch.Tensor]]) -> bool:
-    """Whether the move's norms are those of one pass over every gradient of ``optimizer``: all moved
-    gradients dense and of one device and dtype, and no other parameter of ``optimizer`` has one."""
-    kinds = {(grad.device, grad.dtype) for _, grad in moving}
-    if len(kinds) > 1 or not all(movable(grad) for _, grad in moving):
-        return False
-    return all(p.grad is None for p in grads.iter_params(optimizer) if id(p) not in binding.by_master)
-
-
 class MasterWeights:
     """The float32 masters of the optimizers one scaler steps, bound at first contact.
 
@@ -103,7 +93,8 @@ class MasterWeights:
     def __init__(self, accumulate: bool = False) -> None:
         self._bindings: weakref.WeakKeyDictionary[torch.optim.Optimizer, Binding] = weakref.WeakKeyDictionary()
         self._sums = Accumulation() if accumulate else None  # accumulate_grads_in_fp32 (``accumulate``)
-        self._open: dict[int, Binding] = {}  # the bindings moved since the last ``update()``, by id
+        # the bindings moved since the last ``update()``, by id, weakly (an optimizer dropped takes its binding)
+        self._open: weakref.WeakValueDictionary[int, Binding] = weakref.WeakValueDictionary()
 
     def __deepcopy__(self, memo: dict[int, Any]) -> MasterWeights:
         # the copy binds its optimizers at first contact, copied masters included
@@ -143,7 +134,8 @@ class MasterWeights:
         return None
 
     def lows(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-        """The low-precision parameters of ``optimizer``'s masters (their gradients tell a new backward)."""
+        """The low-precision parameters of ``optimizer``'s masters (their gradients tell a new backward): the
+        binding's own list, not to be changed."""
         binding = self._bindings.get(optimizer)
         return [] if binding is None else binding.lows()
 
@@ -204,8 +196,11 @@ class MasterWeights:
                     pair.master.grad = None  # no gradient this iteration: not stepped, as the recipe by hand
                 else:
                     moving.append((pair, grad))
-            joint = norm_type is not None and not _one_pass(optimizer, binding, moving)
-            result = self._move(binding, moving, factor, None if joint else norm_type, norm_inv, keep)
+            src = [grad for _, grad in moving]
+            whole = src if one_batch(src) else None  # a float16 model's step: every gradient movable, one batch
+            # the move's norms are those of one pass over every gradient of the optimizer only if it moves them all
+            joint = norm_type is not None and not (whole and all(p.grad is None for p in binding.others(optimizer)))
+            result = self._move(binding, moving, whole, factor, None if joint else norm_type, norm_inv, keep)
         binding.moved, self._open[id(binding)] = True, binding
         return Moved(result.flags, {}, {}, grads.new_groups()) if joint else result
 
@@ -247,22 +242,28 @@ class MasterWeights:
     def _move(
         binding: Binding,
         moving: list[tuple[Pair, torch.Tensor]],
+        whole: list[torch.Tensor] | None,
         factor: torch.Tensor | None,
         norm_type: float | None,
         norm_inv: torch.Tensor | None,
         keep: bool,
     ) -> Moved:
         result = Moved({}, {}, {}, grads.new_groups())
+        if whole is not None:  # ``one_batch``: no check, no grouping, no route per parameter
+            masters = [pair.master for pair, _ in moving]
+            dst = list(map(grad_buffer, masters, whole))
+            binding.after_move(moving, keep)
+            opened = [pair for pair, _ in moving]
+            binding.routed = open_routes(opened, binding.pairs, binding.keys, binding.routed)
+            result.add(masters, dst, move_grads_(whole, dst, factor, norm_type, norm_inv))
+            return result
         batches: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], ...]] = {}
-        opened: list[int] = []  # the parameters whose float16/bfloat16 gradient moved: routed together
+        opened = []  # the pairs whose float16/bfloat16 gradient moved: routed together
         for pair, grad in moving:
-            master, dtype = pair.master, grad.dtype
-            if dtype in LOW_PRECISION and dense(grad):  # ``movable``, one call less per parameter
-                out = master.grad
-                if out is None or type(out) is not torch.Tensor or not out.is_contiguous():
-                    # like the gradient (dense, contiguous): a quarter of the host time of torch.empty(shape, ...)
-                    out = master.grad = torch.empty_like(grad, dtype=torch.float32)
-                key = (grad.device, dtype)
+            master = pair.master
+            if movable(grad):
+                out = grad_buffer(master, grad)
+                key = (grad.device, grad.dtype)
                 batch = batches.get(key)
                 if batch is None:
                     batch = batches[key] = ([], [], [])
@@ -270,18 +271,14 @@ class MasterWeights:
                 src.append(grad)
                 dst.append(out)
                 owners.append(master)
-                opened.append(id(pair.low))
+                opened.append(pair)
             else:
                 master.grad = grad.to(torch.float32, copy=True)
                 view = grads.checkable_view(master.grad)
                 result.add([master], [view], copied_stats(view, factor, norm_type, norm_inv))
                 route(pair.low, master)
-            if keep and dense(grad):
-                pair.kept = grad
-                binding.kept_any = True
-            else:
-                pair.low.grad = None
-        binding.routed = open_routes(binding.pairs, opened, binding.routed)
+        binding.after_move(moving, keep)
+        binding.routed = open_routes(opened, binding.pairs, binding.keys, binding.routed)
         for src, dst, owners in batches.values():
             result.add(owners, dst, move_grads_(src, dst, factor, norm_type, norm_inv))
         return result
@@ -339,8 +336,9 @@ class MasterWeights:
             _end(binding)
 
     def end_iteration(self) -> None:
-        """At ``update()``: every optimizer's iteration is over, stepped or not."""
-        for binding in self._open.values():
+        """At ``update()``: every optimizer's iteration is over, stepped or not (the bindings that moved since
+        the last ``update()`` and were not ended; an optimizer dropped since has taken its binding)."""
+        for binding in list(self._open.values()):
             if binding.moved:
                 _end(binding)
         self._open.clear()

@@ -93,3 +93,23 @@ def movable(grad: torch.Tensor) -> bool:
     """Whether the move's one pass takes ``grad``: dense, and float16 or bfloat16 (after ``model.float()``
     a bound parameter's gradient is float32, copied as it is)."""
     return dense(grad) and grad.dtype in LOW_PRECISION
+
+
+def one_batch(moving: list[torch.Tensor]) -> bool:
+    """Whether the gradients ``moving`` are all plain contiguous tensors of one device and one dtype,
+    float16 or bfloat16 (each ``movable``, all in one batch), asked of the whole list at once."""
+    if not moving or set(map(type, moving)) != {torch.Tensor}:
+        return False
+    if not all(grad.layout is torch.strided and grad.is_contiguous() for grad in moving):
+        return False
+    kinds = torch._C._group_tensors_by_device_and_dtype([moving], False)  # type: ignore[list-item]
+    return len(kinds) == 1 and next(iter(kinds))[1] in LOW_PRECISION
+
+
+def grad_buffer(master: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """Where ``grad`` moves in float32: ``master``'s gradient if it is a plain contiguous tensor, else a new one
+    like ``grad`` (dense, contiguous: ``empty_like``, a quarter of the host time of ``torch.empty(shape, ...)``)."""
+    out = master.grad
+    if out is None or type(out) is not torch.Tensor or not out.is_contiguous():
+        out = master.grad = torch.empty_like(grad, dtype=torch.float32)
+    return out

@@ -15,6 +15,7 @@ import torch
 
 from gradscaler import grads
 from gradscaler.masters import checkpoint
+from gradscaler.masters.moved import dense
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
@@ -133,7 +134,8 @@ class Pair:
 @dataclass
 class Binding:
     """The masters of one optimizer, whether this iteration's gradients are in them, and the hooks that
-    carry them through its state dict."""
+    carry them through its state dict. ``keys``, ``_lows`` and ``_others`` are derived from ``pairs`` for
+    the step's comparisons of whole lists: pairs are added only through ``add``, which keeps them in step."""
 
     pairs: list[Pair] = field(default_factory=list)
     by_master: dict[int, Pair] = field(default_factory=dict)
@@ -242,6 +244,15 @@ class Binding:
         self.moved = False
         self.drop_kept()
 
+    def after_move(self, moved: list[tuple[Pair, torch.Tensor]], keep: bool) -> None:
+        """The parameters' gradients ``moved`` into their masters: kept until ``step`` after the user's own
+        ``unscale_`` (``keep``; dense ones, which ``show`` writes), else dropped."""
+        for pair, grad in moved:
+            if keep and dense(grad):
+                pair.kept, self.kept_any = grad, True
+            else:
+                pair.low.grad = None
+
     def zeroed_kept(self) -> None:
         """``optimizer.zero_grad(set_to_none=False)`` zeroed the masters' gradients and the kept float16
         ones alike: that write is no change the step would miss."""
@@ -261,15 +272,14 @@ class Binding:
 
 
 def _seen(pairs: list[Pair], lows: list[torch.Tensor], before: list[int | None]) -> None:
-    """``Pair.seen`` of plain ``pairs`` (``lows`` their parameters) just written whole in their dtype by a
-    multi-tensor copy: each is its master rounded (``exact``). Where the copy found each parameter in its
-    storage of the last ``seen`` (``before``: the storages when the copy began; a copy neither moves nor
-    retypes a storage), only the version counters are noted, in one comprehension."""
+    """``Pair.seen`` of plain ``pairs`` (``lows`` their parameters) just written whole by a multi-tensor copy:
+    each is its master rounded (``exact``). Where the copy found each parameter in the storage of its last
+    ``seen`` (``before``: the storages when the copy began; a copy neither moves nor retypes a storage), that
+    storage is held already: only the version counters and dtypes are noted, in comprehensions."""
     if before != [pair.low_storage for pair in pairs] or any(pair.held is None for pair in pairs):
         for pair in pairs:
             pair.exact = True
             pair.seen()
         return
-    for pair, version in zip(pairs, [low._version for low in lows], strict=True):
-        pair.exact = True
-        pair.low_version = version
+    for pair, version, dtype in zip(pairs, [low._version for low in lows], [low.dtype for low in lows], strict=True):
+        pair.exact, pair.low_version, pair.low_dtype = True, version, dtype

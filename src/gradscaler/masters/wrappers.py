@@ -67,18 +67,24 @@ def _make(key: int, master: torch.Tensor) -> None:
         _CHANGES[0] += 1
 
 
-def open_routes(pairs: list[Any], moving: list[int], checked: tuple[int, int]) -> tuple[int, int]:
-    """Make the route of each of ``pairs`` (each with its ``low`` parameter and its ``master``) and open those
-    of ``moving`` (the ids of parameters among them whose float16/bfloat16 gradient moved: not wide).
-    ``checked``: what the last call returned for these pairs; while no route changed anywhere and no pair
-    was added since, the routes are not made again and opening them is one set update, not a call per
-    parameter. Returns what to pass next time."""
-    if checked != (_CHANGES[0], len(pairs)):
+def open_routes(opened: list[Any], every: list[Any], keys: list[int], checked: tuple[int, int]) -> tuple[int, int]:
+    """Route each of ``opened`` (pairs, each with its ``low`` parameter and its ``master``: those of a binding whose
+    gradient moved into the master) and open their routes, as ``route`` for each. ``every``: the binding's
+    pairs, ``keys`` their parameters' ids, ``checked`` what the last call returned: when every pair moved and
+    no route changed anywhere since the routes were made for them all, they are not made again. Opening is
+    set updates and a dtype read per parameter, not a call per parameter. Returns ``checked`` for next time."""
+    whole = len(opened) == len(every)
+    pairs, ids = (every, keys) if whole else (opened, [id(pair.low) for pair in opened])
+    if not whole or checked != (_CHANGES[0], len(every)):
         for pair in pairs:
             _make(id(pair.low), pair.master)
-    _OPEN.update(moving)
-    _WIDE.difference_update(moving)
-    return _CHANGES[0], len(pairs)
+    _OPEN.update(ids)
+    if {pair.low.dtype for pair in pairs} <= set(LOW_PRECISION):
+        _WIDE.difference_update(ids)
+    else:  # ``p.data = p.data.float()`` after the backward: a float32 parameter whose gradient was float16
+        for pair, key in zip(pairs, ids, strict=True):
+            (_WIDE.discard if pair.low.dtype in LOW_PRECISION else _WIDE.add)(key)
+    return (_CHANGES[0], len(every)) if whole else checked
 
 
 def close_routes(keys: list[int]) -> None:
