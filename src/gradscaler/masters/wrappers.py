@@ -46,6 +46,11 @@ def route(low: torch.Tensor, master: torch.Tensor) -> None:
     key = id(low)
     _make(key, master)
     _OPEN.add(key)
+    _mark_wide(key, low)
+
+
+def _mark_wide(key: int, low: torch.Tensor) -> None:
+    """Whether the open route of ``low`` (id ``key``) is of a parameter no longer float16/bfloat16 (``_WIDE``)."""
     if low.dtype in LOW_PRECISION:
         _WIDE.discard(key)
     else:
@@ -83,7 +88,7 @@ def open_routes(opened: list[Any], every: list[Any], keys: list[int], checked: t
         _WIDE.difference_update(ids)
     else:  # ``p.data = p.data.float()`` after the backward: a float32 parameter whose gradient was float16
         for pair, key in zip(pairs, ids, strict=True):
-            (_WIDE.discard if pair.low.dtype in LOW_PRECISION else _WIDE.add)(key)
+            _mark_wide(key, pair.low)
     return (_CHANGES[0], len(every)) if whole else checked
 
 
