@@ -186,7 +186,7 @@ class Monitor:
         self.last_optimizers = optimizers = [r["optimizer"] for r in records if "optimizer" in r]
         reads, norm, clipped = self._reads, self._norm, self._norm is not None
         self._reads, self._norm = {}, None
-        if not any(self.steps % every == 0 for _, every in self.loggers):
+        if not self.loggers or not any(self.steps % every == 0 for _, every in self.loggers):
             return None, None
         if self._on_host is None:  # the flag's device never changes: ask once (an environment read)
             self._on_host = host_reads_free(found.device)

@@ -225,7 +225,8 @@ class Telemetry:
         if not self._pending:
             return
         records, self._pending = self._pending, []
-        values = [found.reshape(()) for found, *_ in records] + [after for _, after, *_ in records]
+        flags = [found if found.dim() == 0 else found.reshape(()) for found, *_ in records]  # a reshape is an op
+        values = flags + [after for _, after, *_ in records]
         if self._first_before is not None:
             values.append(self._first_before)
         stacked = torch.stack([v if v.dtype == torch.float32 else v.float() for v in values])

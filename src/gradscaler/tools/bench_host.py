@@ -85,17 +85,21 @@ class HostShape:
     ``optimizer`` ``"adamw"`` (foreach), ``"fused"`` AdamW or ``"sgd"`` (foreach, momentum);
     ``clip`` ``"none"``, ``"unscale"`` (``unscale_`` + torch's clip) or ``"scaler"`` (ours:
     ``scaler.clip_grad_norm_``; torch's scaler has none, so its run unscales and clips);
-    ``masters``: float16 parameters through float32 masters (torch: the recipe by hand)."""
+    ``masters``: float16 parameters through float32 masters (torch: the recipe by hand);
+    ``logger``: ours with a logger attached (``add_logger(every=1)``, a callback that keeps each record:
+    the scaler's own cost of logging, not a sink's), torch's scaler as it is (it logs nothing)."""
 
     model: str = "mlp"
     optimizer: str = "adamw"
     clip: str = "none"
     masters: bool = False
+    logger: bool = False
 
     @property
     def name(self) -> str:
         clip = {"none": "", "unscale": " + unscale_ + clip", "scaler": " + scaler clip"}[self.clip]
-        return f"{self.model} {self.optimizer}{clip}{' + masters' if self.masters else ''}"
+        extras = (" + masters" if self.masters else "") + (" + logger" if self.logger else "")
+        return f"{self.model} {self.optimizer}{clip}{extras}"
 
 
 SHAPES = [
@@ -105,6 +109,8 @@ SHAPES = [
     HostShape(masters=True),
     *[HostShape("gpt", opt, clip) for opt in ("adamw", "fused", "sgd") for clip in ("none", "scaler")],
     *[HostShape("gpt", opt, clip, masters=True) for opt in ("adamw", "fused") for clip in ("none", "scaler")],
+    HostShape(logger=True),
+    HostShape("gpt", logger=True),
 ]
 
 
@@ -186,6 +192,10 @@ class Loop:
             if ours
             else torch.amp.GradScaler("cpu", growth_interval=1000)
         )
+        self.logged: list[dict[str, Any]] = []
+        if shape.logger and ours:
+            logged_scaler: Any = self.scaler
+            logged_scaler.add_logger(self.logged.append, every=1)
 
     def loss(self) -> torch.Tensor:
         return sum((p * w).sum().float() for p, w in zip(self.params, self.weights, strict=True))  # type: ignore[return-value]
@@ -317,6 +327,7 @@ def measure(shape: HostShape, steps: int, warmup: int, route: str = "generic") -
     quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
     row["time_ratio"] = {"median": statistics.median(ratios), "q1": quartiles[0], "q3": quartiles[2]}
     row["same"] = all(torch.equal(a, b) for a, b in zip(runs["torch"].state(), runs["ours"].state(), strict=True))
+    row["logged"] = len(runs["ours"].logged)  # records our logger got (one per step when attached)
     return row
 
 
@@ -350,7 +361,9 @@ def format_host(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
         "",
         "Host cost per step on the CUDA route, counted on this machine (kernel launches torch / ours per phase;"
-        " CPU time: thread time of the phases, median; ratio ours / torch, median [quartiles] of per-step ratios)",
+        " CPU time: thread time of the phases, median; ratio ours / torch, median [quartiles] of per-step ratios)."
+        " A row ending in + logger is ours with a logger attached (every step) against torch's scaler, which logs"
+        " nothing: the difference from the row without it is what logging costs.",
         "",
         f"| shape | route | tensors | {head} | launches | + Triton | syncs | CPU us torch / ours | ratio | same |",
         "|---|---|---|" + "---|" * len(PHASES) + "---|---|---|---|---|---|",
