@@ -170,3 +170,33 @@ def test_weak_by_id_keeps_nothing_alive_and_matches_identity() -> None:
     del a
     gc.collect()
     assert ref() is None and cache.values() == [] and cache._data == {}
+
+
+@pytest.mark.parametrize("kernel", ["generic", "auto"])
+def test_peaks_are_the_inf_norms_of_the_check_bit_for_bit(kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``grads.peaks`` (a logged update's read for the names) gives the inf-norms ``norms_and_check`` gives, in its
+    order, for every dtype, with inf, NaN, -inf and empty gradients; on the device route without the flag's ops."""
+    from gradscaler.grads import norms_and_check, peaks
+
+    monkeypatch.setenv("GRADSCALER_KERNEL", kernel)
+    gen = torch.Generator().manual_seed(0)
+    params = []
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        for shape, poison in (
+            ((5, 3), None),
+            ((0,), None),
+            ((7,), float("inf")),
+            ((4,), float("nan")),
+            ((3,), -float("inf")),
+        ):
+            p = nn.Parameter(torch.zeros(shape, dtype=dtype))
+            p.grad = (torch.randn(shape, generator=gen) * 1000).to(dtype)
+            if poison is not None:
+                p.grad[1] = poison
+            params.append(p)
+    groups = group_grads(params, allow_fp16=True)
+    expected = norms_and_check(groups, float("inf"))[0]
+    got = peaks(groups)
+    assert got.keys() == expected.keys()
+    for device, values in expected.items():
+        torch.testing.assert_close(got[device], values, rtol=0, atol=0, equal_nan=True)  # dtype, inf, NaN, bits

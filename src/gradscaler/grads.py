@@ -5,7 +5,8 @@ Three passes exist, each a single sweep over the gradient bytes:
 * ``unscale_and_check_``: read + write, ``g *= 1/S`` and the non-finite flag (torch's
   ``_amp_foreach_non_finite_check_and_unscale_``; the minimum for optimizers that read ``.grad``).
 * ``nonfinite_flags``: read only, the non-finite flag (for fused optimizers, which unscale inside their kernel).
-* ``norms_and_check``: read only, the flag and per-tensor norms (for scale-aware clipping).
+* ``norms_and_check``: read only, the flag and per-tensor norms (for scale-aware clipping); ``peaks``, the
+  largest magnitudes alone (for attribution, once the flag is known).
 
 Sparse gradients contribute their values (fp16 ones are coalesced first, so duplicate indices that sum
 past 65504 are caught); complex gradients contribute their real and imaginary parts; DTensor gradients
@@ -25,7 +26,7 @@ import torch
 
 from gradscaler import distributed
 from gradscaler.distributed import Agreement
-from gradscaler.kernels import grad_stats, host_reads_free, moved
+from gradscaler.kernels import grad_peaks, grad_stats, host_reads_free, moved
 
 GradGroups = dict[torch.device, dict[torch.dtype, list[torch.Tensor]]]
 Owners = dict[torch.device, list[torch.Tensor]]
@@ -242,6 +243,17 @@ def norms_and_check(
         if parts:
             norms[device] = parts[0] if len(parts) == 1 else torch.cat(parts)
     return norms, flags
+
+
+def peaks(groups: GradGroups) -> dict[torch.device, torch.Tensor]:
+    """Each gradient's largest magnitude as stored, one 1-d tensor per device in ``norms_and_check``'s order: its
+    inf-norms, without the flag (for a reader that has the flag already)."""
+    out: dict[torch.device, torch.Tensor] = {}
+    for device, by_dtype in groups.items():
+        parts = [grad_peaks(grads) for grads in by_dtype.values()]
+        if parts:
+            out[device] = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return out
 
 
 def flat_owners(owners: GradGroups) -> Owners:

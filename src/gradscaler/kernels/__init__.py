@@ -22,6 +22,7 @@ that path from the start without the warning; ``GRADSCALER_KERNEL=triton`` raise
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from typing import NamedTuple
@@ -129,6 +130,23 @@ def moved(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> tor
     if tensor.device == device and tensor.dtype == dtype:
         return tensor
     return tensor.to(device, dtype, non_blocking=True)
+
+
+def grad_peaks(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Each tensor's largest magnitude as stored: ``grad_stats(grads, inf).norms``, the same values, without
+    the flag. Off the CPU without Triton the flag costs ops of its own (``torch_stats.peaks`` leaves them
+    out); elsewhere it comes with the same pass, and this is ``grad_stats``."""
+    if not grads:
+        raise ValueError("grad_peaks needs at least one tensor.")
+    choice = os.environ.get("GRADSCALER_KERNEL", "auto")
+    device = grads[0].device
+    if _triton_route(device, choice) is None and not host_reads_free(device, choice):
+        from gradscaler.kernels import torch_stats
+
+        return torch_stats.peaks(grads)
+    norms = grad_stats(grads, math.inf).norms
+    assert norms is not None
+    return norms
 
 
 def grad_stats(grads: list[torch.Tensor], norm_type: float | None, inv_scale: torch.Tensor | None = None) -> GradStats:

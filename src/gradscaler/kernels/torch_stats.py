@@ -285,6 +285,27 @@ def _nonfinite(values: torch.Tensor, summable: bool) -> torch.Tensor:
     return torch.isfinite(values).logical_not_().any().float()
 
 
+def _per_tensor(
+    values: tuple[torch.Tensor, ...] | list[torch.Tensor], grads: list[torch.Tensor], dtype: torch.dtype
+) -> torch.Tensor:
+    """One value per tensor of ``grads`` (``values`` for the non-empty ones, in order; 0 for an empty one), as
+    ``dtype`` in one op: not a conversion per tensor."""
+    if len(values) != len(grads):
+        zero, it = values[0].new_zeros(()), iter(values)
+        values = [next(it) if g.numel() else zero for g in grads]
+    return torch.stack(list(values)).to(dtype)
+
+
+def peaks(grads: list[torch.Tensor]) -> torch.Tensor:
+    """``_generic``'s inf-norms (each tensor's largest magnitude, inf or NaN where it holds one), the same values,
+    without its flag: a multi-tensor inf-norm and its stack, where the flag adds four ops more."""
+    present = [g for g in grads if g.numel()]
+    out = norm_dtype(grads[0].dtype)
+    if not present:
+        return torch.zeros(len(grads), dtype=out, device=grads[0].device)
+    return _per_tensor(torch._foreach_norm(present, math.inf), grads, out)
+
+
 def _generic(grads: list[torch.Tensor], norm_type: float | None, inv_scale: torch.Tensor | None) -> GradStats:
     """Any device, no host sync and no host-built index tensors (runs inside CUDA-graph captures)."""
     device = grads[0].device
@@ -293,11 +314,7 @@ def _generic(grads: list[torch.Tensor], norm_type: float | None, inv_scale: torc
     present = [g for g in grads if g.numel()]  # the inf-norm of nothing is an error
 
     def per_tensor(values: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> torch.Tensor:
-        """One value per gradient (0 for an empty one), widened in one op: not a conversion per tensor."""
-        if len(values) != len(grads):
-            zero, it = values[0].new_zeros(()), iter(values)
-            values = [next(it) if g.numel() else zero for g in grads]
-        return torch.stack(list(values)).to(acc)
+        return _per_tensor(values, grads, acc)
 
     if not present:
         zeros = torch.zeros(len(grads), dtype=out, device=device)

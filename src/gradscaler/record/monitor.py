@@ -204,7 +204,7 @@ class Monitor:
                 values.append(moved(results, found.device, results.dtype))
         if norm is not None:
             values.append(moved(norm, found.device, norm.dtype).reshape(1))
-        carry = torch.cat(values) if values else None
+        carry = (values[0] if len(values) == 1 else torch.cat(values)) if values else None  # nothing writes them
         tag = _Tag(self.steps, rule, None, params, optimizers, None, clipped)
         if not on_host:
             return tag, carry
@@ -218,7 +218,7 @@ class Monitor:
         non-finite still is)."""
         owners = grads.new_groups()
         groups = grads.group_grads(list(grads.iter_params(optimizer)), allow_fp16=True, owners=owners)
-        return _per_device(grads.flat_owners(owners), grads.norms_and_check(groups, math.inf)[0])
+        return _per_device(grads.flat_owners(owners), grads.peaks(groups))
 
     def after_update(self, landed: list[Landed]) -> None:
         """Feed loggers and detect collapse from records that have landed on the host, oldest first (no sync).

@@ -2,11 +2,12 @@
 
 Every ``update()`` adds one record. Two keepers share one accounting (``events`` and ``CONSECUTIVE``):
 
-* ``Telemetry``, for a scale on an accelerator: one device op per record (a copy of the scale), nothing
-  read back on the way. The flags and scales of ``RECORDS_PER_COPY`` records travel to (pinned, on
-  CUDA) host memory in one non-blocking copy, and the host accounts them once it has landed, with
-  ``HostTelemetry``'s code. Every record lands, in order. Works under CUDA-graph capture (captured
-  records are written to a device ring and accounted when read).
+* ``Telemetry``, for a scale on an accelerator: one device op per record (a copy of the scale; the last
+  record of a batch is copied by the batch's stack), nothing read back on the way. The flags and scales
+  of ``RECORDS_PER_COPY`` records travel to (pinned, on CUDA) host memory in one non-blocking copy, and
+  the host accounts them once it has landed, with ``HostTelemetry``'s code. Every record lands, in
+  order. Works under CUDA-graph capture (captured records are written to a device ring and accounted
+  when read).
 * ``HostTelemetry``, for a scale in host memory (the CPU): the record is kept in Python numbers. Reading
   a CPU tensor costs what reading a float does, while each tiny tensor op costs 1-2 us of dispatch:
   this keeper reads the flag and the scale at once.
@@ -94,11 +95,12 @@ class Telemetry:
     """The keeper for a scale on an accelerator: one device op per update, the accounting on the host.
 
     Each ``record_`` keeps the update's overflow flag as it is (a tensor of that iteration, which
-    nothing writes again) and one copy of the scale after it; the scale before it is the previous
-    record's after, unless ``rebase`` said the scale moved outside the rule (the next ``before`` then
-    copies it). Every ``RECORDS_PER_COPY`` records, or when read, one ``stack`` and one non-blocking copy
-    to (pinned, on CUDA) host memory carry a batch over; once a batch's copy has landed, the host
-    accounts its records exactly as ``HostTelemetry`` does (the same code). So a record reaches
+    nothing writes again) and one copy of the scale after it (the record that ends a batch is copied by
+    the batch's ``stack``, made at once); the scale before it is the previous record's after, unless
+    ``rebase`` said the scale moved outside the rule (the next ``before`` then copies it). Every
+    ``RECORDS_PER_COPY`` records, or when read, one ``stack`` and one non-blocking copy to (pinned, on
+    CUDA) host memory carry a batch over; once a batch's copy has landed, the host accounts its records
+    exactly as ``HostTelemetry`` does (the same code). So a record reaches
     ``landed`` up to ``RECORDS_PER_COPY`` updates later than it is made (``copy_every``: one, with a
     logger attached), plus however far the host runs ahead of the device; ``read``, ``histories`` and
     ``landed(wait=True)`` wait for every record.
@@ -173,8 +175,9 @@ class Telemetry:
         carry: torch.Tensor | None = None,
     ) -> None:
         """Account for one update: ``found`` 0-d float flag, ``before`` from ``before()``, the scale
-        ``after`` it (copied here). ``tag`` (any host object) and ``carry`` (a device tensor, copied to
-        the host without blocking) come back with this record from ``landed``."""
+        ``after`` it (copied here: by the batch's stack when this record ends a batch, else on its own).
+        ``tag`` (any host object) and ``carry`` (a device tensor, copied to the host without blocking)
+        come back with this record from ``landed``."""
         if self._capturing():
             assert self._ring is not None
             self._ring.write_(found, after)  # the records pending stay so, to be copied after the capture
@@ -183,9 +186,10 @@ class Telemetry:
         if before is not None:
             self._first_before = before
         carried = None if carry is None else carry.to("cpu", non_blocking=True)
-        self._pending.append((found, after.clone(), lower, tag, carried))
+        flush = len(self._pending) + 1 >= self._per_copy  # this record's batch is stacked now: no copy of its own
+        self._pending.append((found, after if flush else after.clone(), lower, tag, carried))
         self._made += 1
-        if len(self._pending) >= self._per_copy:
+        if flush:
             self._flush()
         self._drain(wait=False)
 
