@@ -298,7 +298,8 @@ def _per_tensor(
 
 def peaks(grads: list[torch.Tensor]) -> torch.Tensor:
     """``_generic``'s inf-norms (each tensor's largest magnitude, inf or NaN where it holds one), the same values,
-    without its flag: a multi-tensor inf-norm and its stack, where the flag adds four ops more."""
+    without its flag: a multi-tensor inf-norm and its stack, where the flag adds four ops more. Widened straight to
+    the output dtype, not through float64: a float16 NaN may keep other payload bits (still a NaN)."""
     present = [g for g in grads if g.numel()]
     out = norm_dtype(grads[0].dtype)
     if not present:
