@@ -249,34 +249,31 @@ class MasterWeights:
         keep: bool,
     ) -> Moved:
         result = Moved({}, {}, {}, grads.new_groups())
+        batches: dict[Any, tuple[list[torch.Tensor], ...]] = {}  # by (device, dtype): sources, buffers, masters
         if whole is not None:  # ``one_batch``: no check, no grouping, no route per parameter
             masters = [pair.master for pair, _ in moving]
-            dst = list(map(grad_buffer, masters, whole))
-            binding.after_move(moving, keep)
+            batches[None] = (whole, list(map(grad_buffer, masters, whole)), masters)
             opened = [pair for pair, _ in moving]
-            binding.routed = open_routes(opened, binding.pairs, binding.keys, binding.routed)
-            result.add(masters, dst, move_grads_(whole, dst, factor, norm_type, norm_inv))
-            return result
-        batches: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], ...]] = {}
-        opened = []  # the pairs whose float16/bfloat16 gradient moved: routed together
-        for pair, grad in moving:
-            master = pair.master
-            if movable(grad):
-                out = grad_buffer(master, grad)
-                key = (grad.device, grad.dtype)
-                batch = batches.get(key)
-                if batch is None:
-                    batch = batches[key] = ([], [], [])
-                src, dst, owners = batch
-                src.append(grad)
-                dst.append(out)
-                owners.append(master)
-                opened.append(pair)
-            else:
-                master.grad = grad.to(torch.float32, copy=True)
-                view = grads.checkable_view(master.grad)
-                result.add([master], [view], copied_stats(view, factor, norm_type, norm_inv))
-                route(pair.low, master)
+        else:
+            opened = []  # the pairs whose float16/bfloat16 gradient moved: routed together
+            for pair, grad in moving:
+                master = pair.master
+                if movable(grad):
+                    out = grad_buffer(master, grad)
+                    key = (grad.device, grad.dtype)
+                    batch = batches.get(key)
+                    if batch is None:
+                        batch = batches[key] = ([], [], [])
+                    src, dst, owners = batch
+                    src.append(grad)
+                    dst.append(out)
+                    owners.append(master)
+                    opened.append(pair)
+                else:
+                    master.grad = grad.to(torch.float32, copy=True)
+                    view = grads.checkable_view(master.grad)
+                    result.add([master], [view], copied_stats(view, factor, norm_type, norm_inv))
+                    route(pair.low, master)
         binding.after_move(moving, keep)
         binding.routed = open_routes(opened, binding.pairs, binding.keys, binding.routed)
         for src, dst, owners in batches.values():
