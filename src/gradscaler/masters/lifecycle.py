@@ -60,8 +60,8 @@ from gradscaler.masters.checks import (
     trained,
 )
 from gradscaler.masters.ddp import NOT_ACCUMULATING_MESSAGE
-from gradscaler.masters.moved import NOTHING, Moved, copied_stats, grad_buffer, movable, one_batch
-from gradscaler.masters.pairs import Binding, Pair
+from gradscaler.masters.moved import NOTHING, Moved, copied_stats, grad_buffers, movable, one_batch
+from gradscaler.masters.pairs import Binding, NoGrad, Pair
 from gradscaler.masters.sums import give_way
 from gradscaler.masters.wrappers import (
     AddParamGroupChecked,
@@ -93,8 +93,9 @@ class MasterWeights:
     def __init__(self, accumulate: bool = False) -> None:
         self._bindings: weakref.WeakKeyDictionary[torch.optim.Optimizer, Binding] = weakref.WeakKeyDictionary()
         self._sums = Accumulation() if accumulate else None  # accumulate_grads_in_fp32 (``accumulate``)
-        # the bindings moved since the last ``update()``, by id, weakly (an optimizer dropped takes its binding)
-        self._open: weakref.WeakValueDictionary[int, Binding] = weakref.WeakValueDictionary()
+        # the bindings moved since the last ``update()``, by id, weakly (an optimizer dropped takes its binding):
+        # plain references, where a ``WeakValueDictionary`` costs ~14 us of Python a step (its set, values, clear)
+        self._open: dict[int, weakref.ReferenceType[Binding]] = {}
 
     def __deepcopy__(self, memo: dict[int, Any]) -> MasterWeights:
         # the copy binds its optimizers at first contact, copied masters included
@@ -182,11 +183,11 @@ class MasterWeights:
                 for pair in binding.written():
                     pair.refresh()
                 self._sums.take(binding)
-            binding.moved, self._open[id(binding)] = True, binding  # ended at update() at the latest
+            binding.moved, self._open[id(binding)] = True, weakref.ref(binding)  # ended at update() at the latest
             return Moved({}, {}, {}, grads.new_groups())
         if sums.CLAIMING:  # a scaler's first iteration: its graphs' hooks may hold these parameters' gradients
             give_way(binding.lows())
-        with torch.no_grad():
+        with NoGrad():
             for pair in binding.written():  # a model load, an edit, weights copied in since the last step
                 pair.refresh()
             moving: list[tuple[Pair, torch.Tensor]] = []
@@ -201,7 +202,7 @@ class MasterWeights:
             # the move's norms are those of one pass over every gradient of the optimizer only if it moves them all
             joint = norm_type is not None and not (whole and all(p.grad is None for p in binding.others(optimizer)))
             result = self._move(binding, moving, whole, factor, None if joint else norm_type, norm_inv, keep)
-        binding.moved, self._open[id(binding)] = True, binding
+        binding.moved, self._open[id(binding)] = True, weakref.ref(binding)
         return Moved(result.flags, {}, {}, grads.new_groups()) if joint else result
 
     def hold(self, optimizer: torch.optim.Optimizer, refresh: bool = True) -> Binding:
@@ -249,25 +250,21 @@ class MasterWeights:
         keep: bool,
     ) -> Moved:
         result = Moved({}, {}, {}, grads.new_groups())
-        batches: dict[Any, tuple[list[torch.Tensor], ...]] = {}  # by (device, dtype): sources, buffers, masters
+        batches: dict[Any, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # by (device, dtype): sources, masters
         if whole is not None:  # ``one_batch``: no check, no grouping, no route per parameter
-            masters = [pair.master for pair, _ in moving]
-            batches[None] = (whole, list(map(grad_buffer, masters, whole)), masters)
+            batches[None] = (whole, [pair.master for pair, _ in moving])
             opened = [pair for pair, _ in moving]
         else:
             opened = []  # the pairs whose float16/bfloat16 gradient moved: routed together
             for pair, grad in moving:
                 master = pair.master
                 if movable(grad):
-                    out = grad_buffer(master, grad)
                     key = (grad.device, grad.dtype)
                     batch = batches.get(key)
                     if batch is None:
-                        batch = batches[key] = ([], [], [])
-                    src, dst, owners = batch
-                    src.append(grad)
-                    dst.append(out)
-                    owners.append(master)
+                        batch = batches[key] = ([], [])
+                    batch[0].append(grad)
+                    batch[1].append(master)
                     opened.append(pair)
                 else:
                     master.grad = grad.to(torch.float32, copy=True)
@@ -276,7 +273,8 @@ class MasterWeights:
                     route(pair.low, master)
         binding.after_move(moving, keep)
         binding.routed = open_routes(opened, binding.pairs, binding.keys, binding.routed)
-        for src, dst, owners in batches.values():
+        for src, owners in batches.values():
+            dst = grad_buffers(owners, src)
             result.add(owners, dst, move_grads_(src, dst, factor, norm_type, norm_inv))
         return result
 
@@ -322,7 +320,7 @@ class MasterWeights:
         if binding is None:
             return
         if stepped and binding.moved:
-            with torch.no_grad():
+            with NoGrad():
                 binding.copy_back(skipped)
         _end(binding)
 
@@ -335,10 +333,11 @@ class MasterWeights:
     def end_iteration(self) -> None:
         """At ``update()``: every optimizer's iteration is over, stepped or not (the bindings that moved since
         the last ``update()`` and were not ended; an optimizer dropped since has taken its binding)."""
-        for binding in list(self._open.values()):
-            if binding.moved:
+        opened, self._open = self._open, {}
+        for ref in opened.values():
+            binding = ref()  # None: its optimizer was dropped (an id reused since holds the newer binding)
+            if binding is not None and binding.moved:
                 _end(binding)
-        self._open.clear()
         if self._sums is not None:
             self._sums.end_iteration({id(low) for low in self._lows()})
 

@@ -100,16 +100,18 @@ def one_batch(moving: list[torch.Tensor]) -> bool:
     float16 or bfloat16 (each ``movable``, all in one batch), asked of the whole list at once."""
     if not moving or set(map(type, moving)) != {torch.Tensor}:
         return False
-    if not all(grad.layout is torch.strided and grad.is_contiguous() for grad in moving):
+    if not all([grad.layout is torch.strided and grad.is_contiguous() for grad in moving]):  # a list: no generator
         return False
     kinds = torch._C._group_tensors_by_device_and_dtype([moving], False)  # type: ignore[list-item]
     return len(kinds) == 1 and next(iter(kinds))[1] in LOW_PRECISION
 
 
-def grad_buffer(master: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """Where ``grad`` moves in float32: ``master``'s gradient if it is a plain contiguous tensor, else a new one
-    like ``grad`` (dense, contiguous: ``empty_like``, a quarter of the host time of ``torch.empty(shape, ...)``)."""
-    out = master.grad
-    if out is None or type(out) is not torch.Tensor or not out.is_contiguous():
-        out = master.grad = torch.empty_like(grad, dtype=torch.float32)
-    return out
+def grad_buffers(masters: list[torch.Tensor], grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Where each of ``grads`` moves in float32: its master's gradient if that is a plain contiguous tensor, else a
+    new one like the gradient, set as the master's (dense, contiguous: ``empty_like``, a quarter of the host time
+    of ``torch.empty(shape, ...)``). One loop, no call per master."""
+    outs = [master.grad for master in masters]
+    for index, out in enumerate(outs):
+        if out is None or type(out) is not torch.Tensor or not out.is_contiguous():
+            outs[index] = masters[index].grad = torch.empty_like(grads[index], dtype=torch.float32)
+    return outs  # type: ignore[return-value]  # every None replaced above
