@@ -79,13 +79,16 @@ class ParamList:
         """The parameters of ``optimizer`` (the cached list when its groups are unchanged)."""
         groups = optimizer.param_groups
         cached = self._groups
-        if len(cached) != len(groups) or not all(
-            len(c) == len(g["params"]) and all(map(operator.is_, c, g["params"]))
-            for c, g in zip(cached, groups, strict=True)
-        ):
-            self._groups = [list(g["params"]) for g in groups]
-            self._params = [p for params in self._groups for p in params]
-            self.agreement = None
+        if len(cached) == len(groups):
+            for kept, group in zip(cached, groups, strict=True):  # a loop, not a generator: no resumption per group
+                params = group["params"]
+                if len(kept) != len(params) or not all(map(operator.is_, kept, params)):
+                    break
+            else:
+                return self._params
+        self._groups = [list(g["params"]) for g in groups]
+        self._params = [p for params in self._groups for p in params]
+        self.agreement = None
         return self._params
 
     def agreed(self, process_group: Any) -> Agreement:

@@ -199,7 +199,7 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         self._check_scale_growth_tracker("unscale_")
         record = self._record(optimizer)
         self._check_stage(record, "unscale_()")
-        self._params(optimizer)  # cached, and the agreement resolved from them
+        params = self._params(optimizer)  # cached, and the agreement resolved from them
         agreement = self._agreement(optimizer)  # before any gradient is touched: a refusal changes nothing
         inv_scale = self._inv_scale()  # the masters' gradients: moved, checked (and unscaled) in one pass
         keep = not self._in_step  # the user's own call: the model's gradients show unscaled values until step
@@ -207,7 +207,9 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         if self._custom_unscale:  # torch's hook, as torch's unscale_ calls it: every gradient, the masters' too
             per_device = self._unscale_grads_(optimizer, inv_scale, torch.zeros_like(inv_scale), False)
         else:
-            groups = grads.group_grads(moved.rest(self._params(optimizer)), allow_fp16=False)
+            if self._masters.active:
+                params = self._params(optimizer)  # the masters in their parameters' places, bound at the first move
+            groups = grads.group_grads(moved.rest(params), allow_fp16=False)
             per_device = grads.merge_flags(grads.unscale_and_check_(groups, inv_scale), moved.flags)
         self._record_found_inf(optimizer, record, per_device, agreement)
         if keep:
