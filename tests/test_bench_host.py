@@ -14,6 +14,7 @@ too, and the targets (never above torch on the Triton route) are for the rows wi
 from __future__ import annotations
 
 import pytest
+import torch
 
 from gradscaler.tools import bench_host
 
@@ -72,3 +73,17 @@ def test_the_host_section_formats_every_cell() -> None:
     lines = bench_host.format_host(rows)
     assert any(line.startswith("| mlp adamw | generic | 8 |") for line in lines)
     assert rows[0]["ours"]["update"]["launches"] == 2  # the warm-up is raised to the telemetry's steady state
+
+
+# shape -> ours' Python calls per step minus torch's (``bench_host.python_calls``; benchmarks/python_calls.py prints
+# every row): the host work outside the ops, counted. A count that rises fails here; one that falls lowers its number.
+PYTHON_CALLS = {"mlp adamw": 102, "mlp adamw + masters": 224}
+PINNED_TORCH = "2.13.0"  # the release the README's set-up installs, whose scaler and optimizers these counts include
+
+
+@pytest.mark.skipif(not torch.__version__.startswith(PINNED_TORCH), reason=f"counted with torch {PINNED_TORCH}")
+@pytest.mark.parametrize("name", sorted(PYTHON_CALLS))
+def test_python_calls_per_step(name: str) -> None:
+    theirs, ours = (bench_host.python_calls(SHAPES[name], ours) for ours in (False, True))
+    assert bench_host.python_calls(SHAPES[name], True, steps=bench_host.RECORDS_PER_COPY) == ours  # exact counts
+    assert ours - theirs <= PYTHON_CALLS[name], (theirs, ours)

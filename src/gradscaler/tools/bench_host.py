@@ -331,6 +331,28 @@ def measure(shape: HostShape, steps: int, warmup: int, route: str = "generic") -
     return row
 
 
+def python_calls(shape: HostShape, ours: bool, steps: int = 32, warmup: int = 20) -> float:
+    """Python calls per step of ``shape``'s whole step (loss, backward, the phases), on the route CUDA takes: the
+    mean over ``steps`` steps after ``warmup`` of what ``cProfile`` records (each Python function called, each C
+    function called from Python). The host work outside the dispatched ops, counted exactly where the CPU time
+    is noisy (``steps`` a multiple of ``RECORDS_PER_COPY`` holds whole telemetry batches: the same mean for any)."""
+    import cProfile
+    import io
+    import pstats
+
+    with device_route("generic"):
+        loop = Loop(shape, ours)
+        for _ in range(warmup):
+            loop.step(False)
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(steps):
+            loop.step(False)
+        profile.disable()
+    calls = pstats.Stats(profile, stream=io.StringIO()).total_calls  # type: ignore[attr-defined]
+    return float(calls - 1) / steps  # less the profiler's own ``disable``
+
+
 def host_section(
     steps: int, warmup: int, shapes: list[HostShape] | None = None, route: str = "generic"
 ) -> list[dict[str, Any]]:
