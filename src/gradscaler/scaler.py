@@ -209,8 +209,11 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         else:
             if self._masters.active:
                 params = self._params(optimizer)  # the masters in their parameters' places, bound at the first move
-            groups = grads.group_grads(moved.rest(params), allow_fp16=False)
-            per_device = grads.merge_flags(grads.unscale_and_check_(groups, inv_scale), moved.flags)
+            rest = moved.rest(params)  # none left: a float16 model, whose move gave every flag
+            per_device = moved.flags
+            if rest:
+                groups = grads.group_grads(rest, allow_fp16=False)
+                per_device = grads.merge_flags(grads.unscale_and_check_(groups, inv_scale), per_device)
         self._record_found_inf(optimizer, record, per_device, agreement)
         if keep:
             self._masters.show(optimizer)
@@ -687,8 +690,10 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         if self._custom_unscale:  # torch's hook with inv_scale 1, as torch calls it: every gradient
             ones = torch.ones((), dtype=torch.float32, device=self._scale.device)  # type: ignore[union-attr]
             flags = self._unscale_grads_(optimizer, ones, torch.zeros_like(ones), True)
-        else:  # grads.nonfinite_flags, kept for attribution
+        else:  # grads.nonfinite_flags, kept for attribution; none left: a float16 model, whose move gave every flag
             rest = moved.rest(self._params(optimizer))
-            flags = grads.merge_flags(self._monitor.nonfinite_flags(optimizer, rest, not moved.owners), moved.flags)
+            flags = moved.flags
+            if rest:
+                flags = grads.merge_flags(self._monitor.nonfinite_flags(optimizer, rest, not moved.owners), flags)
         self._record_found_inf(optimizer, record, flags, agreement)
         return record["found_inf_per_device"]
