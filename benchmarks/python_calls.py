@@ -2,7 +2,8 @@
 parameters: the recipe by hand) against gradscaler, each with its whole step (loss, backward, the phases). Counts,
 not times: the host work outside the ATen ops a step dispatches, which the bench's CPU time measures with its
 noise, counted exactly (``bench_host.python_calls``: each Python function call and each call of a C function from
-Python, as ``cProfile`` sees them; one costs about 0.05-0.5 us). tests/test_bench_host.py holds two rows.
+Python, as ``cProfile`` records them; one costs about 0.05-0.5 us). tests/test_bench_host.py holds two rows, each
+counted in a process of its own (what a process has run before, a compile, adds calls to both scalers).
 
     PYTHONPATH=src python benchmarks/python_calls.py [--steps 32]
 """

@@ -13,6 +13,10 @@ too, and the targets (never above torch on the Triton route) are for the rows wi
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -77,13 +81,29 @@ def test_the_host_section_formats_every_cell() -> None:
 
 # shape -> ours' Python calls per step minus torch's (``bench_host.python_calls``; benchmarks/python_calls.py prints
 # every row): the host work outside the ops, counted. A count that rises fails here; one that falls lowers its number.
-PYTHON_CALLS = {"mlp adamw": 102, "mlp adamw + masters": 209}
+PYTHON_CALLS = {"mlp adamw": 102, "mlp adamw + masters": 216}
 PINNED_TORCH = "2.13.0"  # the release the README's set-up installs, whose scaler and optimizers these counts include
+COUNTED_ON = (3, 11)  # Python 3.12 inlines comprehensions: fewer calls, by a number that differs between the two
+# Counted in a process of its own: what earlier tests leave installed for the process (Dynamo's wrappers after a
+# compile, gradscaler's zero_grad patch after float32 sums) adds calls to both, not always as many to each.
+_COUNT = """
+import json, sys
+from gradscaler.tools import bench_host
+shape = next(s for s in bench_host.SHAPES if s.name == sys.argv[1])
+counts = [bench_host.python_calls(shape, ours) for ours in (False, True)]
+counts.append(bench_host.python_calls(shape, True, steps=bench_host.RECORDS_PER_COPY))
+print(json.dumps(counts))
+"""
 
 
-@pytest.mark.skipif(not torch.__version__.startswith(PINNED_TORCH), reason=f"counted with torch {PINNED_TORCH}")
+@pytest.mark.skipif(
+    not torch.__version__.startswith(PINNED_TORCH) or sys.version_info[:2] != COUNTED_ON,
+    reason=f"counted with torch {PINNED_TORCH} on Python {COUNTED_ON[0]}.{COUNTED_ON[1]}",
+)
 @pytest.mark.parametrize("name", sorted(PYTHON_CALLS))
 def test_python_calls_per_step(name: str) -> None:
-    theirs, ours = (bench_host.python_calls(SHAPES[name], ours) for ours in (False, True))
-    assert bench_host.python_calls(SHAPES[name], True, steps=bench_host.RECORDS_PER_COPY) == ours  # exact counts
+    result = subprocess.run([sys.executable, "-c", _COUNT, name], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    theirs, ours, ours_again = json.loads(result.stdout.strip().splitlines()[-1])
+    assert ours_again == ours  # exact counts: the same mean over 16 steps as over 32
     assert ours - theirs <= PYTHON_CALLS[name], (theirs, ours)

@@ -210,7 +210,7 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
             if self._masters.active:
                 params = self._params(optimizer)  # the masters in their parameters' places, bound at the first move
             rest = moved.rest(params)  # none left: a float16 model, whose move gave every flag
-            per_device = moved.flags
+            per_device = dict(moved.flags)  # a copy: ``NOTHING``'s is shared
             if rest:
                 groups = grads.group_grads(rest, allow_fp16=False)
                 per_device = grads.merge_flags(grads.unscale_and_check_(groups, inv_scale), per_device)
@@ -692,7 +692,7 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
             flags = self._unscale_grads_(optimizer, ones, torch.zeros_like(ones), True)
         else:  # grads.nonfinite_flags, kept for attribution; none left: a float16 model, whose move gave every flag
             rest = moved.rest(self._params(optimizer))
-            flags = moved.flags
+            flags = dict(moved.flags)  # a copy: ``NOTHING``'s is shared
             if rest:
                 flags = grads.merge_flags(self._monitor.nonfinite_flags(optimizer, rest, not moved.owners), flags)
         self._record_found_inf(optimizer, record, flags, agreement)

@@ -333,11 +333,11 @@ class MasterWeights:
     def end_iteration(self) -> None:
         """At ``update()``: every optimizer's iteration is over, stepped or not (the bindings that moved since
         the last ``update()`` and were not ended; an optimizer dropped since has taken its binding)."""
-        opened, self._open = self._open, {}
-        for ref in opened.values():
+        for ref in list(self._open.values()):
             binding = ref()  # None: its optimizer was dropped (an id reused since holds the newer binding)
             if binding is not None and binding.moved:
                 _end(binding)
+        self._open.clear()  # after: an error leaves the bindings not yet ended to the next update()
         if self._sums is not None:
             self._sums.end_iteration({id(low) for low in self._lows()})
 
