@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import gc
 import weakref
+from typing import Any
 
+import pytest
 import torch
 
 import gradscaler
@@ -105,3 +107,44 @@ def test_the_copy_back_notes_a_dtype_changed_in_the_same_storage() -> None:
         model.weight.mul_(1.0)
     iteration()
     assert pair.exact and pair.low_dtype == torch.bfloat16
+
+
+def _fails_at(call: int) -> Any:
+    """``torch.empty_like`` that runs out of memory (raised by hand) at its ``call``-th call."""
+    real, made = torch.empty_like, [0]
+
+    def empty_like(*args: Any, **kwargs: Any) -> torch.Tensor:
+        made[0] += 1
+        if made[0] == call:
+            raise torch.OutOfMemoryError("out of memory (raised by the test)")
+        return real(*args, **kwargs)
+
+    return empty_like
+
+
+def test_running_out_of_memory_for_the_masters_gradients_leaves_the_parameters_gradients(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The masters' float32 gradient buffers are allocated before the float16 gradients are dropped: a step whose
+    allocation fails (out of memory, raised by hand at the second buffer) leaves every parameter's gradient as the
+    backward wrote it, and the same step retried gives the run of a step that never failed."""
+    runs = []
+    for fail in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)).half()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = gradscaler.GradScaler("cpu", master_weights=True, init_scale=2.0**4)
+        scaler.scale(model(torch.randn(3, 4, dtype=torch.half)).float().pow(2).sum()).backward()
+        if fail:
+            written = [p.grad.clone() for p in model.parameters()]
+            with monkeypatch.context() as patch, pytest.raises(torch.OutOfMemoryError):
+                patch.setattr(torch, "empty_like", _fails_at(2))
+                scaler.step(optimizer)
+            params = list(model.parameters())
+            assert [p.grad is not None and torch.equal(p.grad, w) for p, w in zip(params, written, strict=True)] == [
+                True
+            ] * len(params)
+        scaler.step(optimizer)
+        scaler.update()
+        runs.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))

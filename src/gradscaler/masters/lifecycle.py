@@ -271,10 +271,11 @@ class MasterWeights:
                     view = grads.checkable_view(master.grad)
                     result.add([master], [view], copied_stats(view, factor, norm_type, norm_inv))
                     route(pair.low, master)
+        # the float32 buffers before the parameters' gradients are dropped: running out of memory leaves them
+        moves = [(src, owners, grad_buffers(owners, src)) for src, owners in batches.values()]
         binding.after_move(moving, keep)
         binding.routed = open_routes(opened, binding.pairs, binding.keys, binding.routed)
-        for src, owners in batches.values():
-            dst = grad_buffers(owners, src)
+        for src, owners, dst in moves:
             result.add(owners, dst, move_grads_(src, dst, factor, norm_type, norm_inv))
         return result
 
