@@ -15,15 +15,13 @@ import argparse
 import torch
 
 from gradscaler.record.telemetry import RECORDS_PER_COPY
-from gradscaler.tools.bench_host import SHAPES, Loop, python_calls
+from gradscaler.tools.bench_host import SHAPES, python_calls
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2 * RECORDS_PER_COPY, help="steps counted, after 20")
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    Loop(SHAPES[0], ours=True)  # the first scaler applies the compile marks, before any count
     print(f"torch {torch.__version__}, the route CUDA takes (GRADSCALER_KERNEL=generic), {args.steps} steps counted")
     print()
     print("| shape | Python calls per step: torch / gradscaler | difference |")

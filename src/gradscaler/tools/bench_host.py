@@ -26,6 +26,7 @@ is the median of per-step ratios with its quartiles. Every cell is reported.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import importlib.util
 import json
 import os
@@ -336,8 +337,6 @@ def python_calls(shape: HostShape, ours: bool, steps: int = 32, warmup: int = 20
     mean over ``steps`` steps after ``warmup`` of what ``cProfile`` records (each Python function called, each C
     function called from Python). The host work outside the dispatched ops, counted exactly where the CPU time
     is noisy (``steps`` a multiple of ``RECORDS_PER_COPY`` holds whole telemetry batches: the same mean for any)."""
-    import cProfile
-
     with device_route("generic"):
         loop = Loop(shape, ours)
         for _ in range(warmup):
