@@ -402,10 +402,10 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         span = self._telemetry.span(self._rule)  # where the scale can be now, when the host knows
         rule.update_scale_(scale, growth_tracker, self._hysteresis_tracker, found, self._rule, span)
         tag, carry = self._monitor.record_update(records, found, self._rule)
-        self._telemetry.record_(found, before, scale, self._rule.lower, tag, carry)
+        landed = self._telemetry.record_(found, before, scale, self._rule.lower, tag, carry)
         self._last_found_inf = found
         self._per_optimizer_states = defaultdict(stale.fresh_record)
-        if self._monitor.wants_counters:
+        if landed and self._monitor.wants_counters:
             self._monitor.after_update(self._telemetry.landed())
 
     @compiled.eager

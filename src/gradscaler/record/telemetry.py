@@ -73,7 +73,7 @@ class Keeper(Protocol):
         lower: float,
         tag: Any = None,
         carry: torch.Tensor | None = None,
-    ) -> None: ...
+    ) -> bool: ...
     def landed(self, wait: bool = False) -> list[Landed]: ...
     def read(self) -> dict[str, int]: ...
     def load(self, counters: list[int]) -> None: ...
@@ -114,7 +114,10 @@ class Telemetry:
         self._host = HostTelemetry(history, counters)
         self._device = device
         self._pin = device.type == "cuda"
-        self._pending: list[tuple[torch.Tensor, torch.Tensor, float, Any, torch.Tensor | None]] = []
+        # the records made and not yet copied: their flags (0-d float32), scales after, and host notes
+        self._flags: list[torch.Tensor] = []
+        self._afters: list[torch.Tensor] = []
+        self._notes: list[tuple[float, Any, torch.Tensor | None]] = []  # (lower, tag, carried)
         self._per_copy = RECORDS_PER_COPY
         self._first_before: torch.Tensor | None = None  # the scale before the pending batch, when copied
         self._in_flight: deque[_Batch] = deque()  # copies issued, oldest first
@@ -147,7 +150,7 @@ class Telemetry:
     def copy_every(self, records: int) -> None:
         """Carry records to the host ``records`` at a time (1 with a logger: each lands a step later)."""
         self._per_copy = records
-        if len(self._pending) >= records:
+        if len(self._notes) >= records:
             self._flush()
 
     def span(self, rule: Any) -> tuple[float, float] | None:
@@ -173,25 +176,29 @@ class Telemetry:
         lower: float,
         tag: Any = None,
         carry: torch.Tensor | None = None,
-    ) -> None:
+    ) -> bool:
         """Account for one update: ``found`` 0-d float flag, ``before`` from ``before()``, the scale
         ``after`` it (copied here: by the batch's stack when this record ends a batch, else on its own).
         ``tag`` (any host object) and ``carry`` (a device tensor, copied to the host without blocking)
-        come back with this record from ``landed``."""
+        come back with this record from ``landed``. Returns whether ``landed`` has records to return."""
         if self._capturing():
             assert self._ring is not None
             self._ring.write_(found, after)  # the records pending stay so, to be copied after the capture
             self._ring.lower, self._captured = lower, True
-            return
+            return False
         if before is not None:
             self._first_before = before
         carried = None if carry is None else carry.to("cpu", non_blocking=True)
-        flush = len(self._pending) + 1 >= self._per_copy  # this record's batch is stacked now: no copy of its own
-        self._pending.append((found, after if flush else after.clone(), lower, tag, carried))
+        flush = len(self._notes) + 1 >= self._per_copy  # this record's batch is stacked now: no copy of its own
+        plain = found.dim() == 0 and found.dtype == torch.float32  # a reshape and a conversion are ops
+        self._flags.append(found if plain else found.reshape(()).float())
+        self._afters.append(after if flush else after.clone())
+        self._notes.append((lower, tag, carried))
         self._made += 1
         if flush:
             self._flush()
         self._drain(wait=False)
+        return bool(self._landed)
 
     def landed(self, wait: bool = False) -> list[Landed]:
         """The records accounted since the last call, oldest first (at most ``IN_FLIGHT``). No sync,
@@ -226,14 +233,12 @@ class Telemetry:
 
     def _flush(self) -> None:
         """Start the copy of the pending records: one stack, one non-blocking copy."""
-        if not self._pending:
+        if not self._notes:
             return
-        records, self._pending = self._pending, []
-        flags = [found if found.dim() == 0 else found.reshape(()) for found, *_ in records]  # a reshape is an op
-        values = flags + [after for _, after, *_ in records]
+        values = self._flags + self._afters
         if self._first_before is not None:
             values.append(self._first_before)
-        stacked = torch.stack([v if v.dtype == torch.float32 else v.float() for v in values])
+        stacked = torch.stack(values)
         free = self._buffers.setdefault(stacked.shape[0], [])
         host = free.pop() if free else torch.empty(stacked.shape, dtype=torch.float32, pin_memory=self._pin)
         host.copy_(stacked, non_blocking=True)
@@ -241,8 +246,8 @@ class Telemetry:
         if stacked.is_cuda:
             event = torch.cuda.Event()
             event.record()
-        self._in_flight.append(_Batch(host, [(lower, tag, carried) for *_, lower, tag, carried in records], event))
-        self._first_before = None
+        self._in_flight.append(_Batch(host, self._notes, event))
+        self._flags, self._afters, self._notes, self._first_before = [], [], [], None
 
     def _drain(self, wait: bool) -> None:
         """Account every batch whose copy has landed (all of them with ``wait``), in order."""
@@ -258,12 +263,15 @@ class Telemetry:
             self._buffers[batch.host.shape[0]].append(batch.host)  # read: free for a later copy
             count = len(batch.records)
             before = values[2 * count] if len(values) > 2 * count else self._last_after
-            for index, (lower, tag, carried) in enumerate(batch.records):
-                found, after = values[index], values[count + index]
-                assert before is not None, "the first record copies its before"
-                self._landed.append(self._host.account(found != 0, before, after, lower, tag, carried))
-                before = self._last_after = after
-                self._accounted += 1
+            assert before is not None, "the first record copies its before"
+            account, landed = self._host.account, self._landed
+            for found, after, (lower, tag, carried) in zip(
+                values[:count], values[count : 2 * count], batch.records, strict=True
+            ):
+                landed.append(account(found != 0, before, after, lower, tag, carried))
+                before = after
+            self._last_after = before
+            self._accounted += count
         if wait and self._captured:
             assert self._ring is not None
             for found, after in self._ring.read():
@@ -321,6 +329,7 @@ class HostTelemetry:
         self._landed: dict[str, Any] = {}
         self._last: Landed | None = None
         self._now: float | None = None  # the scale the last ``before`` read
+        self._running = False  # a counter of consecutive events is above 0
         self.load(counters)
 
     def before(self, scale: torch.Tensor) -> float:
@@ -346,17 +355,18 @@ class HostTelemetry:
         lower: float,
         tag: Any = None,
         carry: torch.Tensor | None = None,
-    ) -> None:
+    ) -> bool:
         """Account for one update: ``found`` 0-d float flag, the scale ``before`` and ``after`` it.
-        ``tag`` and ``carry`` come back with the record from ``landed``."""
+        ``tag`` and ``carry`` come back with the record from ``landed`` (which has it at once: True)."""
         self._last = self.account(found.item() != 0, before, after.item(), lower, tag, carry)
+        return True
 
     def account(
         self, skipped: bool, before: float, now: float, lower: float, tag: Any = None, carry: torch.Tensor | None = None
     ) -> Landed:
         """The accounting of one update from host values (both keepers'): counters, the ring, its record."""
-        happened = events(skipped, now > before, now < before, skipped and before <= lower)
-        if any(happened) or any(self._counters[i] for i in _RUNS) or now != self._landed["scale"]:
+        if skipped or now != before or self._running or now != self._landed["scale"]:  # else no counter moves
+            happened = events(skipped, now > before, now < before, skipped and before <= lower)
             self._counters = [
                 0 if run and not event else min(count + event, SATURATE)
                 for count, event, run in zip(self._counters, happened, CONSECUTIVE, strict=True)
@@ -384,6 +394,7 @@ class HostTelemetry:
     def _publish(self, scale: float | None) -> None:
         """Make the current counters and ``scale`` what ``landed`` returns."""
         self._landed = {**self.read(), "scale": scale}
+        self._running = any(self._counters[i] for i in _RUNS)  # a run to reset at the next clean record
 
     def histories(self) -> tuple[list[float], list[bool]]:
         """Scale and skip flag of the last ``min(steps, history)`` steps, oldest first."""
