@@ -190,14 +190,17 @@ class MasterWeights:
         with NoGrad():
             for pair in binding.written():  # a model load, an edit, weights copied in since the last step
                 pair.refresh()
-            moving: list[tuple[Pair, torch.Tensor]] = []
-            for pair in binding.pairs:
-                grad = pair.low.grad
-                if grad is None:
-                    pair.master.grad = None  # no gradient this iteration: not stepped, as the recipe by hand
-                else:
-                    moving.append((pair, grad))
-            src = [grad for _, grad in moving]
+            held = [low.grad for low in binding.lows()]
+            src = [grad for grad in held if grad is not None]
+            if len(src) == len(held):  # every parameter has a gradient: no loop over the pairs
+                moving = list(zip(binding.pairs, src, strict=True))
+            else:
+                moving = []
+                for pair, grad in zip(binding.pairs, held, strict=True):
+                    if grad is None:
+                        pair.master.grad = None  # no gradient this iteration: not stepped, as the recipe by hand
+                    else:
+                        moving.append((pair, grad))
             whole = src if one_batch(src) else None  # a float16 model's step: every gradient movable, one batch
             # the move's norms are those of one pass over every gradient of the optimizer only if it moves them all
             joint = norm_type is not None and not (whole and all(p.grad is None for p in binding.others(optimizer)))
@@ -252,8 +255,9 @@ class MasterWeights:
         result = Moved({}, {}, {}, grads.new_groups())
         batches: dict[Any, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # by (device, dtype): sources, masters
         if whole is not None:  # ``one_batch``: no check, no grouping, no route per parameter
-            batches[None] = (whole, [pair.master for pair, _ in moving])
-            opened = [pair for pair, _ in moving]
+            every = len(moving) == len(binding.pairs)  # the binding's own lists, which nothing below changes
+            batches[None] = (whole, binding.masters() if every else [pair.master for pair, _ in moving])
+            opened = binding.pairs if every else [pair for pair, _ in moving]
         else:
             opened = []  # the pairs whose float16/bfloat16 gradient moved: routed together
             for pair, grad in moving:

@@ -148,8 +148,9 @@ class Pair:
 @dataclass
 class Binding:
     """The masters of one optimizer, whether this iteration's gradients are in them, and the hooks that
-    carry them through its state dict. ``keys``, ``_lows`` and ``_others`` are derived from ``pairs`` for
-    the step's comparisons of whole lists: pairs are added only through ``add``, which keeps them in step."""
+    carry them through its state dict. ``keys``, ``_lows``, ``_masters``, ``_plain`` and ``_others`` are derived
+    from ``pairs`` for the step's comparisons of whole lists: pairs are added only through ``add``, which keeps
+    them in step."""
 
     pairs: list[Pair] = field(default_factory=list)
     by_master: dict[int, Pair] = field(default_factory=dict)
@@ -159,6 +160,8 @@ class Binding:
     routed: tuple[int, int] = (-1, -1)  # ``wrappers.open_routes``'s mark of the routes made for these pairs
     kept_any: bool = False  # a float16 gradient may be kept (``Pair.kept``): the user's ``unscale_``
     _lows: list[torch.Tensor] = field(default_factory=list)
+    _masters: list[torch.Tensor] = field(default_factory=list)
+    _plain: bool = True  # every parameter a plain tensor (no DTensor): one multi-tensor copy takes them all
     _params: grads.ParamList = field(default_factory=grads.ParamList)
     _others: tuple[list[torch.Tensor] | None, list[torch.Tensor]] = (None, [])  # (of which parameters, others)
 
@@ -168,6 +171,8 @@ class Binding:
         self.by_master[id(pair.master)] = pair
         self.keys.append(id(pair.low))
         self._lows.append(pair.low)
+        self._masters.append(pair.master)
+        self._plain = self._plain and type(pair.low) in _PLAIN
         self._others = (None, [])
 
     def others(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -184,6 +189,10 @@ class Binding:
         """The parameters, in the order of ``pairs`` (the binding's own list: not to be changed)."""
         return self._lows
 
+    def masters(self) -> list[torch.Tensor]:
+        """The masters, in the order of ``pairs`` (the binding's own list: not to be changed)."""
+        return self._masters
+
     def written(self) -> list[Pair]:
         """The pairs whose parameter may differ from its master rounded (``Pair.written``). Where none was
         written (every step of a loop that leaves its parameters to the optimizer) this is four
@@ -199,15 +208,19 @@ class Binding:
         """``Pair.copy_back`` for every pair (or those of ``pairs``); the plain tensors that simply take their
         masters' values in one multi-tensor copy (one launch per device and dtype, not one per parameter).
         DTensors, which have no multi-tensor copy, and parameters a fused skip may keep, one by one."""
-        pairs = self.pairs if pairs is None else pairs
-        if skipped is None:
-            plain = [p for p in pairs if type(p.low) in _PLAIN]
+        if pairs is None and self._plain and (skipped is None or all([p.exact for p in self.pairs])):
+            pairs = plain = self.pairs  # the common step: every pair, in the binding's own lists
+            lows, masters = self._lows, self._masters
         else:
-            plain = [p for p in pairs if p.exact and type(p.low) in _PLAIN]
+            pairs = self.pairs if pairs is None else pairs
+            if skipped is None:
+                plain = [p for p in pairs if type(p.low) in _PLAIN]
+            else:
+                plain = [p for p in pairs if p.exact and type(p.low) in _PLAIN]
+            lows, masters = [pair.low for pair in plain], [pair.master for pair in plain]
         if plain:
-            lows = [pair.low for pair in plain]
             before = _storages(lows)
-            torch._foreach_copy_(lows, [pair.master for pair in plain])  # type: ignore[misc]
+            torch._foreach_copy_(lows, masters)  # type: ignore[misc]
             _seen(plain, lows, before)
         if len(plain) == len(pairs):
             return

@@ -213,10 +213,7 @@ class ZeroGradBoth:
         type(optimizer).zero_grad(optimizer, set_to_none)
         lows = list(self._lows())
         zeroing.clear_waiting(lows, set_to_none)
-        for low in lows:
-            grad = low.grad
-            if grad is None:
-                continue
+        for low, grad in [(low, low.grad) for low in lows if low.grad is not None]:  # after a step: mostly none
             if set_to_none:
                 low.grad = None
                 continue
