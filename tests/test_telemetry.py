@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from gradscaler import GradScaler, JsonLinesLogger
-from gradscaler.record.telemetry import COUNTERS, IN_FLIGHT, SATURATE, make_telemetry
+from gradscaler.record.telemetry import COUNTERS, IN_FLIGHT, RECORDS_PER_COPY, SATURATE, make_telemetry
 
 
 def steps(
@@ -201,3 +201,27 @@ def test_unread_records_are_bounded() -> None:
         keeper.record_(torch.tensor(0.0), keeper.before(scale), scale, 1.0, tag=step)
     assert [r.tag for r in keeper.landed(wait=True)] == list(range(3, IN_FLIGHT + 3))
     assert keeper.read()["skipped_steps"] == 0 and keeper.histories()[0] == [8.0] * 4  # every record counted
+
+
+class _CopyFails(torch.Tensor):
+    """A scale whose copy runs out of memory, as a device allocation can."""
+
+    def clone(self, *args: object, **kwargs: object) -> torch.Tensor:
+        raise torch.OutOfMemoryError("no memory for the record's copy")
+
+
+def test_a_record_whose_copy_fails_leaves_nothing_behind() -> None:
+    """The device keeper's flag, scale and notes of one record are kept together or not at all: a copy that
+    fails leaves the pending batch as it was, and every later record lands as if the failed one was never made."""
+    keepers = [make_telemetry(torch.device("cpu"), 8, [0] * len(COUNTERS), on_host=False) for _ in range(2)]
+    scale = torch.full((), 8.0)
+    failing = keepers[0]
+    failing.record_(torch.tensor(1.0), failing.before(scale), scale, 1.0)
+    with pytest.raises(torch.OutOfMemoryError):
+        failing.record_(torch.tensor(1.0), failing.before(scale), scale.as_subclass(_CopyFails), 1.0)
+    keepers[1].record_(torch.tensor(1.0), keepers[1].before(scale), scale, 1.0)
+    for step in range(RECORDS_PER_COPY + 3):
+        for keeper in keepers:
+            keeper.record_(torch.tensor(float(step % 3 == 0)), keeper.before(scale), scale, 1.0, tag=step)
+    assert [r.tag for r in failing.landed(wait=True)] == [r.tag for r in keepers[1].landed(wait=True)]
+    assert failing.read() == keepers[1].read() and failing.histories() == keepers[1].histories()

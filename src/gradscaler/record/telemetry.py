@@ -190,9 +190,12 @@ class Telemetry:
             self._first_before = before
         carried = None if carry is None else carry.to("cpu", non_blocking=True)
         flush = len(self._notes) + 1 >= self._per_copy  # this record's batch is stacked now: no copy of its own
+        kept = after if flush else after.clone()
         plain = found.dim() == 0 and found.dtype == torch.float32  # a reshape and a conversion are ops
-        self._flags.append(found if plain else found.reshape(()).float())
-        self._afters.append(after if flush else after.clone())
+        flag = found if plain else found.reshape(()).float()
+        # appended once nothing can fail: the three lists stay in step (a failed copy leaves no record)
+        self._flags.append(flag)
+        self._afters.append(kept)
         self._notes.append((lower, tag, carried))
         self._made += 1
         if flush:

@@ -20,7 +20,9 @@ forward and backward are the model's and not counted) a ``TorchDispatchMode`` co
 
 Counts come from one steady step (exact: ``tests/test_bench_host.py`` holds them), times from the
 other steps, uncounted (a dispatch mode's Python would weigh on them); the time ratio (ours / torch)
-is the median of per-step ratios with its quartiles. Every cell is reported.
+is the median of per-step ratios with its quartiles, and ``whole`` the ratio of the two runs' summed time
+(every step counted, also the one in ``RECORDS_PER_COPY`` that carries the telemetry's batch). Every cell is
+reported.
 """
 
 from __future__ import annotations
