@@ -143,9 +143,12 @@ class ScalersMachine(RuleBasedStateMachine):
         sides = [s for s in SIDES if self.scaler[s] == old]
         if self.stepped.get(old) or any(self.grads[s] for s in sides):
             return  # a documented limit: a switch with gradients pending
-        bound_by_old = [s for s in sides if self.sums(s) and self.owner[s] == old and self.bound[s] == old]
+        # the sides a scaler with float32 sums bound and still holds, alive after this switch: the old one if kept,
+        # or one kept at an earlier switch; its hooks go on summing until the new scaler binds them
+        holders = self.alive if kept else self.alive - {old}
+        held = [s for s in sides if self.sums(s) and self.owner[s] in holders and self.bound[s] == self.owner[s]]
         dropped = self.ours.switch(side, accumulate)
-        self.reference.switch(side, accumulate, bound_by_old if kept else ())
+        self.reference.switch(side, accumulate, held)
         if kept:
             self.kept.append(dropped)
         else:
