@@ -308,6 +308,7 @@ def measure(shape: HostShape, steps: int, warmup: int, route: str = "generic") -
                 elif i > warmup:
                     timed[name].append(costs)
     row: dict[str, Any] = {"shape": shape.name, "route": route, "tensors": len(runs["ours"].params)}
+    step_ns = {name: [sum(c.cpu_ns for c in s.values()) for s in measured] for name, measured in timed.items()}
     for name in ("torch", "ours"):
         cost = counted[name]
         row[name] = {
@@ -321,21 +322,17 @@ def measure(shape: HostShape, steps: int, warmup: int, route: str = "generic") -
             for phase in PHASES
         }
         total = {key: sum(row[name][phase][key] for phase in PHASES) for key in ("ops", "launches", "triton", "syncs")}
-        total["cpu_us"] = statistics.median(sum(c.cpu_ns for c in s.values()) for s in timed[name]) / 1e3
+        total["cpu_us"] = statistics.median(step_ns[name]) / 1e3
         row[name]["total"] = total
-    ratios = [
-        sum(c.cpu_ns for c in ours.values()) / max(1, sum(c.cpu_ns for c in theirs.values()))
-        for ours, theirs in zip(timed["ours"], timed["torch"], strict=True)
-    ]
+    ratios = [ours / max(1, theirs) for ours, theirs in zip(step_ns["ours"], step_ns["torch"], strict=True)]
     quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
     # the ratio of the runs' sums counts every step: also the work done once in a while (the telemetry's batch
     # copy, one step in RECORDS_PER_COPY), which the per-step median leaves out
-    sums = [sum(c.cpu_ns for s in timed[name] for c in s.values()) for name in ("ours", "torch")]
     row["time_ratio"] = {
         "median": statistics.median(ratios),
         "q1": quartiles[0],
         "q3": quartiles[2],
-        "whole": sums[0] / max(1, sums[1]),
+        "whole": sum(step_ns["ours"]) / max(1, sum(step_ns["torch"])),
     }
     row["same"] = all(torch.equal(a, b) for a, b in zip(runs["torch"].state(), runs["ours"].state(), strict=True))
     row["logged"] = len(runs["ours"].logged)  # records our logger got (one per step when attached)
