@@ -138,9 +138,12 @@ class Interrupt(Exception):
     """Stands for an error in the user's code between two scaler calls."""
 
 
-def interrupted_run(name: str, how: str, zero: str, interrupt_at: int | None) -> dict[str, Any]:
+def interrupted_run(
+    name: str, how: str, zero: str, interrupt_at: int | None, scale_first: bool = False
+) -> dict[str, Any]:
     """Eight iterations; at ``interrupt_at`` the iteration stops after ``how`` and runs again from
-    ``zero`` (``optimizer``, ``optimizer_in_place`` or ``model`` zero_grad) and a new backward."""
+    ``zero`` (``optimizer``, ``optimizer_in_place`` or ``model`` zero_grad) and a new backward; with
+    ``scale_first`` the loss is scaled before the ``zero_grad``."""
     model = HalfNet()
     opt = OPTIMIZERS[name]([p for p in model.parameters() if p.requires_grad])
     scaler = GradScaler("cpu", init_scale=2.0**10, growth_interval=3, master_weights=True)
@@ -166,8 +169,9 @@ def interrupted_run(name: str, how: str, zero: str, interrupt_at: int | None) ->
         if step == interrupt_at:
             with pytest.raises(Interrupt):
                 raise Interrupt  # the loop catches it and runs the iteration again
+            scaled = scaler.scale(loss_of(model, x, y)) if scale_first else None
             zero_grad()
-            scaler.scale(loss_of(model, x, y)).backward()
+            (scaled if scaled is not None else scaler.scale(loss_of(model, x, y))).backward()
             prepare()
         scaler.step(opt)
         scaler.update()
@@ -181,8 +185,11 @@ def interrupted_run(name: str, how: str, zero: str, interrupt_at: int | None) ->
 @pytest.mark.parametrize("name", ["adamw_foreach", "sgd_momentum_forloop", "adamw_fused"])
 @pytest.mark.parametrize("how", ["unscale", "clip"])
 @pytest.mark.parametrize("zero", ["optimizer", "optimizer_in_place", "model"])
-def test_a_new_backward_after_an_interrupted_move_is_moved_once(name: str, how: str, zero: str) -> None:
-    assert_same_run(interrupted_run(name, how, zero, 4), interrupted_run(name, how, zero, None))
+@pytest.mark.parametrize("scale_first", [False, True], ids=["zero_first", "scale_first"])
+def test_a_new_backward_after_an_interrupted_move_is_moved_once(
+    name: str, how: str, zero: str, scale_first: bool
+) -> None:
+    assert_same_run(interrupted_run(name, how, zero, 4, scale_first), interrupted_run(name, how, zero, None))
 
 
 # torch's unscaling hook -----------------------------------------------------------------------------
@@ -223,8 +230,8 @@ def test_a_subclass_unscaling_hook_unscales_the_masters_once(name: str, clip: fl
 
 
 def test_the_model_gradients_are_fresh_after_an_interrupted_unscale() -> None:
-    """The float16 gradients moved before the interruption are dropped at the next ``scale()``: the new
-    backward writes them anew instead of adding to them."""
+    """The float16 gradients moved before the interruption are dropped when the next backward begins: it
+    writes them anew instead of adding to them."""
     model = HalfNet()
     opt = OPTIMIZERS["adamw_foreach"]([p for p in model.parameters() if p.requires_grad])
     scaler = GradScaler("cpu", init_scale=2.0**10, master_weights=True)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from gradscaler import GradScaler
-from gradscaler.stale import GradSnapshot
+from gradscaler.stale import GradSnapshot, largest_magnitude
 from helpers import assert_same_state, make_model, make_optimizer, optimizer_state
 
 OPTIMIZERS = [(name, mode) for name in ("sgd", "adamw") for mode in ("forloop", "foreach", "fused")]
@@ -68,6 +68,11 @@ def train(
             opt.zero_grad(set_to_none=set_to_none)
             scaler.scale(loss(model, step)).backward()
             prepare(scaler, opt, model, how, max_norm)
+        if step == 1 and interrupt == "before_step_scale_first":  # the same, with zero_grad after scale()
+            scaled = scaler.scale(loss(model, step))
+            opt.zero_grad(set_to_none=set_to_none)
+            scaled.backward()
+            prepare(scaler, opt, model, how, max_norm)
         if step == 1 and interrupt in ("in_step_retry", "in_step_new_backward"):
             real = opt.step
 
@@ -97,11 +102,13 @@ def assert_same_run(a: tuple[list[torch.Tensor], dict], b: tuple[list[torch.Tens
 @pytest.mark.parametrize(("name", "mode"), OPTIMIZERS, ids=OPTIMIZER_IDS)
 @pytest.mark.parametrize("how", [h for h in PREPARE if h != "none"])
 @pytest.mark.parametrize("set_to_none", [True, False], ids=["set_to_none", "zero_in_place"])
+@pytest.mark.parametrize("interrupt", ["before_step", "before_step_scale_first"], ids=["zero_first", "scale_first"])
 def test_a_new_backward_after_an_interrupted_unscale_is_unscaled_once(
-    name: str, mode: str, how: str, set_to_none: bool
+    name: str, mode: str, how: str, set_to_none: bool, interrupt: str
 ) -> None:
-    """Item 10: unscale_, an interrupt before step, zero_grad and a new backward: stepped once unscaled."""
-    interrupted = train(name, mode, how, set_to_none=set_to_none, interrupt="before_step")
+    """Item 10: unscale_, an interrupt before step, zero_grad and a new backward: stepped once unscaled; also
+    with ``zero_grad`` between ``scale()`` and the backward (it was refused as a sum onto unscaled gradients)."""
+    interrupted = train(name, mode, how, set_to_none=set_to_none, interrupt=interrupt)
     assert_same_run(interrupted, train(name, mode, how, set_to_none=set_to_none))
 
 
@@ -259,3 +266,36 @@ class TestGradSnapshot:
         gc.collect()
         assert ref() is None
         assert snapshot.changed(params)
+
+    def test_no_gradient_held_now_is_no_change(self) -> None:
+        """Every gradient gone since (a ``zero_grad``, no backward): nothing was added, the record stands."""
+        params = self.params()
+        snapshot = GradSnapshot(params, largest_magnitude(params))
+        params[0].grad = None
+        assert snapshot.changed(params)
+        params[1].grad = None
+        assert not snapshot.changed(params)
+
+
+@pytest.mark.parametrize("outputs", ["tensor", "list"])
+def test_the_hook_sits_on_the_scaled_outputs_only_after_an_interrupted_iteration(outputs: str) -> None:
+    """A normal loop's scaled loss carries no hook; after an interrupted ``unscale_`` each scaled output does, and
+    the backward through any of them tells the snapshot once."""
+    model = make_model("mlp")
+    opt = make_optimizer("sgd", "foreach", model.parameters())
+    scaler = GradScaler("cpu")
+
+    def scaled() -> list[torch.Tensor]:
+        out = loss(model, 0)
+        return [scaler.scale(out)] if outputs == "tensor" else scaler.scale([out, out * 2])
+
+    assert all(not t._backward_hooks for t in scaled())
+    scaler.scale(loss(model, 0)).backward()
+    scaler.unscale_(opt)  # ... and an interrupt
+    again = scaled()
+    assert all(len(t._backward_hooks) == 1 for t in again)
+    opt.zero_grad()
+    sum(again).backward()  # type: ignore[union-attr]
+    scaler.step(opt)
+    scaler.update()
+    assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -162,9 +162,10 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         """
         if not self._enabled:
             return outputs
-        if self._per_optimizer_states:  # only after an interrupted iteration (see ``stale``)
-            self._watch_unscaled()
-        if isinstance(outputs, torch.Tensor) and self._scale is not None:  # one loss: no closure, no copies
+        began = None  # the hook telling the stale check a backward began: only after an interrupted iteration
+        if self._per_optimizer_states:
+            began = stale.watch_unscaled(self._per_optimizer_states.values(), self._masters, self._params)
+        if isinstance(outputs, torch.Tensor) and self._scale is not None and began is None:  # no closure, no copies
             return self._masters.watch(outputs * self._scale.to(device=outputs.device, non_blocking=True))
         copies: dict[torch.device, torch.Tensor] = {}
 
@@ -177,7 +178,10 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
                 if factor is None:
                     factor = self._scale.to(device=value.device, non_blocking=True)
                     copies[value.device] = factor
-                return self._masters.watch(value * factor)
+                scaled = self._masters.watch(value * factor)
+                if began is not None and scaled.requires_grad:
+                    scaled.register_hook(began)
+                return scaled
             if isinstance(value, abc.Iterable):
                 mapped = map(scale_one, value)
                 return type(value)(mapped) if isinstance(value, (list, tuple)) else mapped
@@ -648,27 +652,13 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         """``optimizer``'s record of this iteration; a fresh one when a new backward made it stale."""
         record = self._per_optimizer_states[id(optimizer)]
         seen = record.pop("grads_seen", None)  # checked once: our own clipping may write the gradients next
-        if seen is not None and seen.changed(self._watched(optimizer)):
+        if seen is not None and seen.changed(stale.watched(self._masters, optimizer, self._params(optimizer))):
             if not seen.cleared():  # added to the unscaled gradients: refused by unscale_, clip and step
                 record["mixed"] = True
                 return record
             record = self._per_optimizer_states[id(optimizer)] = stale.fresh_record()
             self._masters.end(optimizer)  # the new gradients are moved into the masters afresh
         return record
-
-    def _watch_unscaled(self) -> None:
-        """At ``scale()``: note the gradients of each record still unscaled and not stepped (see ``stale``)."""
-        for record in self._per_optimizer_states.values():
-            optimizer = record["optimizer"]() if "optimizer" in record else None
-            if record["stage"] is OptState.UNSCALED and "grads_seen" not in record and optimizer is not None:
-                left = stale.largest_magnitude(self._masters.added_to(optimizer, self._params(optimizer)))
-                self._masters.release(optimizer)  # the new backward must not add to the kept float16 gradients
-                record["grads_seen"] = stale.GradSnapshot(self._watched(optimizer), left)
-
-    def _watched(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-        """The parameters whose gradients a new backward (or ``zero_grad``) changes: the optimizer's, and
-        with masters the low-precision parameters the backward writes."""
-        return self._params(optimizer) + self._masters.lows(optimizer)
 
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
         if self._growth_tracker is not None:

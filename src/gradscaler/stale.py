@@ -22,14 +22,17 @@ A new backward is not always a new iteration: a loop that unscales at every micr
 scaled gradients to the unscaled ones, a sum that is neither. The snapshot tells the two apart by what
 the backward found: gradients that ``zero_grad`` cleared (None, or all zeros) start a new iteration;
 any other value left there means accumulation onto unscaled gradients (``GradSnapshot.cleared``), which
-the scaler refuses as torch's scaler does at the second ``unscale_``.
+the scaler refuses as torch's scaler does at the second ``unscale_``. What the backward found is read
+when it begins (``watch_unscaled``'s hook on the scaled outputs), not at ``scale()``: a loop may call
+``zero_grad`` between the two. Gradients that are all None at the check were cleared whatever came before.
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
-from collections.abc import Sequence
-from typing import TypedDict
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol, TypedDict
 
 import torch
 from torch.amp.grad_scaler import OptState
@@ -47,19 +50,22 @@ class GradSnapshot:
     """Which gradient tensor each parameter holds, and its version counter, at one moment; and whether
     the gradients a backward would add to were all cleared then.
 
-    Holds weak references only: a snapshot never keeps a gradient (or a parameter) alive. ``left``:
-    ``largest_magnitude`` of the gradients a new backward adds to, taken at the same moment or just before.
+    Holds weak references to gradients only: a snapshot never keeps a gradient alive, and no reference to a
+    parameter (``torch.utils.swap_tensors``, which ``module.to`` may use, refuses a tensor with weak references).
+    ``left``: ``largest_magnitude`` of the gradients a new backward adds to, taken at the same moment or just before.
+    ``waiting``: taken at ``scale()``, to be taken again when the next backward begins (``watch_unscaled``).
     """
 
-    __slots__ = ("_left", "_seen")
+    __slots__ = ("_left", "_seen", "waiting")
 
-    def __init__(self, params: Sequence[torch.Tensor], left: torch.Tensor | None = None) -> None:
+    def __init__(self, params: Sequence[torch.Tensor], left: torch.Tensor | None = None, waiting: bool = False) -> None:
         # id of each parameter -> a weak reference to its gradient (None: it had none) and the gradient's version
         self._seen: dict[int, tuple[weakref.ReferenceType[torch.Tensor] | None, int | None]] = {}
         for param in params:
             grad = param.grad
             self._seen[id(param)] = (None, None) if grad is None else (weakref.ref(grad), grad._version)
         self._left = left
+        self.waiting = waiting
 
     def cleared(self) -> bool:
         """Whether every gradient a backward would add to was None or all zeros when the snapshot was
@@ -68,7 +74,10 @@ class GradSnapshot:
 
     def changed(self, params: Sequence[torch.Tensor]) -> bool:
         """Whether any parameter of ``params`` now holds another gradient, or one written since; a parameter
-        added since the snapshot (``add_param_group``) only if it holds one; one gone from them, always."""
+        added since the snapshot (``add_param_group``) only if it holds one; one gone from them, always. No
+        gradient held at all is no change: no backward wrote one, and the record's flags stand (a retry)."""
+        if all(param.grad is None for param in params):
+            return False
         met: set[int] = set()
         for param in params:
             grad = param.grad
@@ -85,6 +94,64 @@ class GradSnapshot:
             elif grad is None or ref() is not grad or grad._version != version:  # None: a zero_grad since
                 return True
         return len(met) != len(self._seen)
+
+
+class Masters(Protocol):
+    """What ``watch_unscaled`` asks of the scaler's master weights (``masters.MasterWeights`` or ``NoMasters``)."""
+
+    def added_to(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[torch.Tensor]: ...
+    def release(self, optimizer: torch.optim.Optimizer) -> None: ...
+    def lows(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]: ...
+
+
+def watched(masters: Masters, optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The parameters whose gradients a new backward (or ``zero_grad``) changes: ``optimizer``'s ``params``,
+    and with master weights the low-precision parameters the backward writes."""
+    return params + masters.lows(optimizer)
+
+
+def watch_unscaled(
+    records: Iterable[OptimizerRecord],
+    masters: Masters,
+    params_of: Callable[[torch.optim.Optimizer], list[torch.Tensor]],
+) -> Callable[[torch.Tensor], None] | None:
+    """At ``scale()`` after an interrupted iteration: snapshot the gradients of each record still unscaled and
+    not stepped. Returns the hook for the scaled outputs that takes each snapshot again when the next backward
+    begins (a ``zero_grad`` may come between ``scale()`` and the backward), releasing the kept float16
+    gradients of master weights so that the backward writes them afresh; None when no snapshot waits."""
+    waiting: list[tuple[OptimizerRecord, weakref.ReferenceType[torch.optim.Optimizer]]] = []
+    for record in records:
+        optimizer = record["optimizer"]() if "optimizer" in record else None
+        if record["stage"] is not OptState.UNSCALED or optimizer is None:
+            continue
+        seen = record.get("grads_seen")
+        if seen is None:
+            seen = record["grads_seen"] = _snapshot(masters, optimizer, params_of(optimizer), begun=False)
+        if seen.waiting:
+            waiting.append((record, record["optimizer"]))
+    return functools.partial(_began, waiting, masters, params_of) if waiting else None
+
+
+def _began(
+    waiting: list[tuple[OptimizerRecord, weakref.ReferenceType[torch.optim.Optimizer]]],
+    masters: Masters,
+    params_of: Callable[[torch.optim.Optimizer], list[torch.Tensor]],
+    grad: torch.Tensor,
+) -> None:
+    for record, ref in waiting:
+        optimizer, seen = ref(), record.get("grads_seen")  # None: checked already (or the optimizer is gone)
+        if optimizer is not None and seen is not None and seen.waiting:
+            record["grads_seen"] = _snapshot(masters, optimizer, params_of(optimizer), begun=True)
+
+
+def _snapshot(
+    masters: Masters, optimizer: torch.optim.Optimizer, params: list[torch.Tensor], begun: bool
+) -> GradSnapshot:
+    added_to = masters.added_to(optimizer, params)
+    left = largest_magnitude(added_to)  # before the release: the kept gradients are left there
+    if begun:
+        masters.release(optimizer)  # the new backward must not add to the kept float16 gradients
+    return GradSnapshot(watched(masters, optimizer, params), left, waiting=not begun)
 
 
 def largest_magnitude(params: Sequence[torch.Tensor]) -> torch.Tensor | None:
