@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from gradscaler import GradScaler
-from gradscaler.stale import GradSnapshot, largest_magnitude
+from gradscaler.stale import GradSnapshot
 from helpers import assert_same_state, make_model, make_optimizer, optimizer_state
 
 OPTIMIZERS = [(name, mode) for name in ("sgd", "adamw") for mode in ("forloop", "foreach", "fused")]
@@ -237,11 +237,23 @@ class TestGradSnapshot:
         params[0].grad.zero_()
         assert snapshot.changed(params)
 
-    @pytest.mark.parametrize("which", [0, 2], ids=["dropped", "gained"])
-    def test_a_gradient_dropped_or_gained(self, which: int) -> None:
+    def test_a_gradient_gained(self) -> None:
         params = self.params()
         snapshot = GradSnapshot(params)
-        params[which].grad = None if which == 0 else torch.ones(1)
+        params[2].grad = torch.ones(1)
+        assert snapshot.changed(params)
+
+    def test_gradients_only_dropped_are_no_change(self) -> None:
+        """A ``zero_grad`` with no backward after it: no backward drops a gradient, the record stands (torch's
+        scaler steps what is left; the masters machine drew the difference, with float32 sums, where only the
+        float32 layer's gradient was dropped by ``model.zero_grad()``)."""
+        params = self.params()
+        snapshot = GradSnapshot(params)
+        params[0].grad = None
+        assert not snapshot.changed(params)
+        params[1].grad = None
+        assert not snapshot.changed(params)
+        params[1].grad = torch.ones(2)  # and then a backward
         assert snapshot.changed(params)
 
     def test_another_parameter_list(self) -> None:
@@ -265,16 +277,8 @@ class TestGradSnapshot:
         params[0].grad = None
         gc.collect()
         assert ref() is None
+        params[0].grad = torch.ones(3)  # a new one, even at the old one's address
         assert snapshot.changed(params)
-
-    def test_no_gradient_held_now_is_no_change(self) -> None:
-        """Every gradient gone since (a ``zero_grad``, no backward): nothing was added, the record stands."""
-        params = self.params()
-        snapshot = GradSnapshot(params, largest_magnitude(params))
-        params[0].grad = None
-        assert snapshot.changed(params)
-        params[1].grad = None
-        assert not snapshot.changed(params)
 
 
 @pytest.mark.parametrize("outputs", ["tensor", "list"])

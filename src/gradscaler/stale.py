@@ -10,11 +10,12 @@ exist: the new ones are still multiplied by the scale. torch steps them as they 
 The signal is ``scale()`` itself, called once per iteration: only when it finds a record that is
 unscaled and not stepped (the interrupted case; normal loops never do) does the scaler take a
 ``GradSnapshot`` of that optimizer's gradients. At its next ``unscale_``, ``clip_grad_norm_`` or
-``step``, gradients that are other objects (``zero_grad(set_to_none=True)``) or whose version counter
-moved (an in-place ``zero_grad`` and a backward) mean a new backward: the record is stale and the
-optimizer starts the iteration afresh. Unchanged gradients mean a retry of the same iteration (or a
-backward that wrote only other optimizers' gradients): the record stands, and the gradients are
-stepped exactly as they are. Version counters alone would not do: ``torch.nn.utils.clip_grad_norm_``
+``step``, gradients that are other objects (``zero_grad(set_to_none=True)`` and a backward) or whose
+version counter moved (an in-place ``zero_grad`` and a backward) mean a new backward: the record is stale
+and the optimizer starts the iteration afresh. Unchanged gradients, or gradients only dropped since (a
+``zero_grad`` and no backward), mean a retry of the same iteration (or a backward that wrote only other
+optimizers' gradients): the record stands, and what is left is stepped exactly as it is, as torch's scaler
+steps it. Version counters alone would not do: ``torch.nn.utils.clip_grad_norm_``
 after ``unscale_`` moves them in the standard recipe, with no ``scale()`` in between.
 
 A new backward is not always a new iteration: a loop that unscales at every micro-batch (Accelerate's
@@ -73,25 +74,22 @@ class GradSnapshot:
         return self._left is None or bool(self._left.eq(0).item())
 
     def changed(self, params: Sequence[torch.Tensor]) -> bool:
-        """Whether any parameter of ``params`` now holds another gradient, or one written since; a parameter
-        added since the snapshot (``add_param_group``) only if it holds one; one gone from them, always. No
-        gradient held at all is no change: no backward wrote one, and the record's flags stand (a retry)."""
-        if all(param.grad is None for param in params):
-            return False
+        """Whether any parameter of ``params`` now holds another gradient, or one written since, as a backward
+        leaves them; a parameter added since the snapshot (``add_param_group``) only if it holds one; one gone
+        from them, always. A gradient dropped since (None: a ``zero_grad`` with no backward after it) is no
+        change: no backward drops one, and the record stands for what is left, as torch's scaler's does."""
         met: set[int] = set()
         for param in params:
             grad = param.grad
             seen = self._seen.get(id(param))
-            if seen is None:  # added since
-                if grad is not None:
-                    return True
+            if seen is not None:
+                met.add(id(param))
+            if grad is None:
                 continue
-            met.add(id(param))
+            if seen is None:  # added since, with a gradient
+                return True
             ref, version = seen
-            if ref is None:
-                if grad is not None:
-                    return True
-            elif grad is None or ref() is not grad or grad._version != version:  # None: a zero_grad since
+            if ref is None or ref() is not grad or grad._version != version:
                 return True
         return len(met) != len(self._seen)
 
