@@ -303,3 +303,32 @@ def test_the_hook_sits_on_the_scaled_outputs_only_after_an_interrupted_iteration
     scaler.step(opt)
     scaler.update()
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("limit", ["second_zero_grad_after_the_first_backward", "in_place_zero_grad_no_backward"])
+def test_the_known_limits_refuse_and_step_nothing(limit: str) -> None:
+    """docs/migration.md's two limits of the check after an interrupted iteration: a refusal (the MIXED error),
+    never a step of what it cannot tell apart. If one of them is lifted, this test says so."""
+    torch.manual_seed(0)
+    models = [nn.Linear(4, 1), nn.Linear(4, 1)]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    scaler = GradScaler("cpu", init_scale=2.0**10)
+    x = torch.randn(8, 4)
+    for model in models:
+        scaler.scale(model(x).square().mean()).backward()
+    for opt in opts:
+        scaler.unscale_(opt)  # ... and an interrupt
+    if limit == "second_zero_grad_after_the_first_backward":
+        for opt, model in zip(opts, models, strict=True):
+            opt.zero_grad()
+            scaler.scale(model(x).square().mean()).backward()
+        scaler.step(opts[0])
+        refused = opts[1]
+    else:
+        scaler.scale(models[0](x).square().mean())  # a loss scaled, its backward never run
+        opts[0].zero_grad(set_to_none=False)
+        refused = opts[0]
+    before = [p.detach().clone() for p in models[opts.index(refused)].parameters()]
+    with pytest.raises(RuntimeError, match="a later backward added scaled gradients"):
+        scaler.step(refused)
+    assert all(torch.equal(p, q) for p, q in zip(models[opts.index(refused)].parameters(), before, strict=True))

@@ -25,7 +25,9 @@ the backward found: gradients that ``zero_grad`` cleared (None, or all zeros) st
 any other value left there means accumulation onto unscaled gradients (``GradSnapshot.cleared``), which
 the scaler refuses as torch's scaler does at the second ``unscale_``. What the backward found is read
 when it begins (``watch_unscaled``'s hook on the scaled outputs), not at ``scale()``: a loop may call
-``zero_grad`` between the two. Gradients that are all None at the check were cleared whatever came before.
+``zero_grad`` between the two. Only the first backward after the ``scale()`` is read so: a second optimizer's
+``zero_grad`` placed after it, before that optimizer's own backward, is still taken for accumulation (a refusal;
+docs/migration.md).
 """
 
 from __future__ import annotations
