@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from gradscaler import GradScaler
-from gradscaler.stale import GradSnapshot
+from gradscaler.stale import GradSnapshot, leaves
 from helpers import assert_same_state, make_model, make_optimizer, optimizer_state
 
 OPTIMIZERS = [(name, mode) for name in ("sgd", "adamw") for mode in ("forloop", "foreach", "fused")]
@@ -305,30 +305,61 @@ def test_the_hook_sits_on_the_scaled_outputs_only_after_an_interrupted_iteration
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-@pytest.mark.parametrize("limit", ["second_zero_grad_after_the_first_backward", "in_place_zero_grad_no_backward"])
-def test_the_known_limits_refuse_and_step_nothing(limit: str) -> None:
-    """docs/migration.md's two limits of the check after an interrupted iteration: a refusal (the MIXED error),
-    never a step of what it cannot tell apart. If one of them is lifted, this test says so."""
+def gan_order(zero_second_first: bool, interrupt: bool = True) -> list[torch.Tensor]:
+    """Two optimizers, a backward each, each ``zero_grad`` just before its own backward (DCGAN's order), both
+    unscaled on a logging iteration that an exception interrupts; the next iteration steps both."""
     torch.manual_seed(0)
     models = [nn.Linear(4, 1), nn.Linear(4, 1)]
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
     scaler = GradScaler("cpu", init_scale=2.0**10)
     x = torch.randn(8, 4)
-    for model in models:
-        scaler.scale(model(x).square().mean()).backward()
-    for opt in opts:
-        scaler.unscale_(opt)  # ... and an interrupt
-    if limit == "second_zero_grad_after_the_first_backward":
+    for logged in (True, False) if interrupt else (False,):
+        if zero_second_first:
+            opts[1].zero_grad()
         for opt, model in zip(opts, models, strict=True):
             opt.zero_grad()
             scaler.scale(model(x).square().mean()).backward()
-        scaler.step(opts[0])
-        refused = opts[1]
-    else:
-        scaler.scale(models[0](x).square().mean())  # a loss scaled, its backward never run
-        opts[0].zero_grad(set_to_none=False)
-        refused = opts[0]
-    before = [p.detach().clone() for p in models[opts.index(refused)].parameters()]
+        if logged:
+            for opt in opts:
+                scaler.unscale_(opt)
+            continue  # an exception here
+        for opt in opts:
+            scaler.step(opt)
+        scaler.update()
+    return [p.detach().clone() for m in models for p in m.parameters()]
+
+
+def test_each_optimizers_snapshot_is_taken_when_its_own_backward_begins() -> None:
+    """DCGAN's order after an interrupted iteration: the second optimizer's ``zero_grad`` comes after the first
+    backward, and its snapshot is taken when the backward that reaches its parameters begins (it was taken at the
+    first backward, before that ``zero_grad``, and the step was refused as a mixed sum)."""
+    expected = gan_order(zero_second_first=False, interrupt=False)
+    for zero_second_first in (False, True):
+        for a, b in zip(gan_order(zero_second_first), expected, strict=True):
+            assert torch.equal(a, b)
+
+
+def test_leaves_are_the_tensors_a_backward_accumulates_into() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 1))
+    frozen = nn.Linear(3, 3).requires_grad_(False)
+    x = torch.randn(2, 3, requires_grad=True)
+    out = model(frozen(x)).sum()
+    assert leaves(out) == {id(p) for p in model.parameters()} | {id(x)}
+    assert leaves(x) == {id(x)}
+
+
+def test_an_in_place_zero_grad_with_no_backward_is_refused_and_steps_nothing() -> None:
+    """docs/migration.md's remaining limit of the check after an interrupted iteration: a refusal (the MIXED
+    error), never a step of what it cannot tell apart. If it is lifted, this test says so."""
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = GradScaler("cpu", init_scale=2.0**10)
+    x = torch.randn(8, 4)
+    scaler.scale(model(x).square().mean()).backward()
+    scaler.unscale_(opt)  # ... and an interrupt
+    scaler.scale(model(x).square().mean())  # a loss scaled, its backward never run
+    opt.zero_grad(set_to_none=False)
+    before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(RuntimeError, match="a later backward added scaled gradients"):
-        scaler.step(refused)
-    assert all(torch.equal(p, q) for p, q in zip(models[opts.index(refused)].parameters(), before, strict=True))
+        scaler.step(opt)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))

@@ -162,10 +162,10 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         """
         if not self._enabled:
             return outputs
-        began = None  # the hook telling the stale check a backward began: only after an interrupted iteration
+        watch = None  # hooks for the stale check on the scaled outputs: only after an interrupted iteration
         if self._per_optimizer_states:
-            began = stale.watch_unscaled(self._per_optimizer_states.values(), self._masters, self._params)
-        if isinstance(outputs, torch.Tensor) and self._scale is not None and began is None:  # no closure, no copies
+            watch = stale.watch_unscaled(self._per_optimizer_states.values(), self._masters, self._params)
+        if isinstance(outputs, torch.Tensor) and self._scale is not None and watch is None:  # no closure, no copies
             return self._masters.watch(outputs * self._scale.to(device=outputs.device, non_blocking=True))
         copies: dict[torch.device, torch.Tensor] = {}
 
@@ -179,8 +179,8 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
                     factor = self._scale.to(device=value.device, non_blocking=True)
                     copies[value.device] = factor
                 scaled = self._masters.watch(value * factor)
-                if began is not None and scaled.requires_grad:
-                    scaled.register_hook(began)
+                if watch is not None and scaled.requires_grad:
+                    watch.hook(scaled)
                 return scaled
             if isinstance(value, abc.Iterable):
                 mapped = map(scale_one, value)

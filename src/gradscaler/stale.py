@@ -25,9 +25,8 @@ the backward found: gradients that ``zero_grad`` cleared (None, or all zeros) st
 any other value left there means accumulation onto unscaled gradients (``GradSnapshot.cleared``), which
 the scaler refuses as torch's scaler does at the second ``unscale_``. What the backward found is read
 when it begins (``watch_unscaled``'s hook on the scaled outputs), not at ``scale()``: a loop may call
-``zero_grad`` between the two. Only the first backward after the ``scale()`` is read so: a second optimizer's
-``zero_grad`` placed after it, before that optimizer's own backward, is still taken for accumulation (a refusal;
-docs/migration.md).
+``zero_grad`` between the two, or between another optimizer's backward and this one's (DCGAN's loop): the first
+backward whose graph reaches the optimizer's parameters is the one read (``Watch``).
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from typing import Protocol, TypedDict
+from typing import Any, Protocol, TypeAlias, TypedDict
 
 import torch
 from torch.amp.grad_scaler import OptState
@@ -75,6 +74,10 @@ class GradSnapshot:
         taken (a ``zero_grad``). Reads the device once; only asked after ``changed``."""
         return self._left is None or bool(self._left.eq(0).item())
 
+    def watches_any(self, ids: set[int]) -> bool:
+        """Whether the snapshot was taken of any parameter whose id is in ``ids``."""
+        return not ids.isdisjoint(self._seen)
+
     def changed(self, params: Sequence[torch.Tensor]) -> bool:
         """Whether any parameter of ``params`` now holds another gradient, or one written since, as a backward
         leaves them; a parameter added since the snapshot (``add_param_group``) only if it holds one; one gone
@@ -110,16 +113,41 @@ def watched(masters: Masters, optimizer: torch.optim.Optimizer, params: list[tor
     return params + masters.lows(optimizer)
 
 
+# each snapshot waiting for its backward: its optimizer's record and the optimizer (weakly)
+Waiting: TypeAlias = "list[tuple[OptimizerRecord, weakref.ReferenceType[torch.optim.Optimizer]]]"
+
+
+class Watch:
+    """The snapshots ``scale()`` took after an interrupted iteration that wait for the first backward to reach
+    their optimizer's parameters (``watch_unscaled``)."""
+
+    __slots__ = ("_masters", "_params_of", "_waiting")
+
+    def __init__(
+        self, waiting: Waiting, masters: Masters, params_of: Callable[[torch.optim.Optimizer], list[torch.Tensor]]
+    ) -> None:
+        self._waiting, self._masters, self._params_of = waiting, masters, params_of
+
+    def hook(self, scaled: torch.Tensor) -> None:
+        """Hook ``scaled`` (a scaled output that requires grad) to take again, when its backward begins, each
+        snapshot whose parameters its graph reaches (a walk of the graph: only after an interrupted iteration)."""
+        reached = leaves(scaled)
+        mine = [(record, ref) for record, ref in self._waiting if _reaches(record, reached)]
+        if mine:
+            scaled.register_hook(functools.partial(_began, mine, self._masters, self._params_of))
+
+
 def watch_unscaled(
     records: Iterable[OptimizerRecord],
     masters: Masters,
     params_of: Callable[[torch.optim.Optimizer], list[torch.Tensor]],
-) -> Callable[[torch.Tensor], None] | None:
+) -> Watch | None:
     """At ``scale()`` after an interrupted iteration: snapshot the gradients of each record still unscaled and
-    not stepped. Returns the hook for the scaled outputs that takes each snapshot again when the next backward
-    begins (a ``zero_grad`` may come between ``scale()`` and the backward), releasing the kept float16
-    gradients of master weights so that the backward writes them afresh; None when no snapshot waits."""
-    waiting: list[tuple[OptimizerRecord, weakref.ReferenceType[torch.optim.Optimizer]]] = []
+    not stepped. Returns what hooks the scaled outputs so that each snapshot is taken again when the first
+    backward that reaches its optimizer's parameters begins (a ``zero_grad`` may come between ``scale()`` and
+    that backward, or between another optimizer's backward and it), releasing the kept float16 gradients of
+    master weights so that the backward writes them afresh; None when no snapshot waits."""
+    waiting: Waiting = []
     for record in records:
         optimizer = record["optimizer"]() if "optimizer" in record else None
         if record["stage"] is not OptState.UNSCALED or optimizer is None:
@@ -129,11 +157,37 @@ def watch_unscaled(
             seen = record["grads_seen"] = _snapshot(masters, optimizer, params_of(optimizer), begun=False)
         if seen.waiting:
             waiting.append((record, record["optimizer"]))
-    return functools.partial(_began, waiting, masters, params_of) if waiting else None
+    return Watch(waiting, masters, params_of) if waiting else None
+
+
+def leaves(output: torch.Tensor) -> set[int]:
+    """The ids of the tensors a backward of ``output`` accumulates gradients into: its graph's ``AccumulateGrad``
+    nodes (those a reentrant activation checkpoint hides inside its node are not seen)."""
+    if output.grad_fn is None:
+        return {id(output)}
+    found: set[int] = set()
+    held: dict[int, Any] = {}  # each node seen, held: a node freed after its visit could pass its id to another
+    stack: list[Any] = [output.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in held:
+            continue
+        held[id(node)] = node
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            found.add(id(variable))
+        else:
+            stack.extend(following for following, _ in node.next_functions)
+    return found
+
+
+def _reaches(record: OptimizerRecord, reached: set[int]) -> bool:
+    seen = record.get("grads_seen")
+    return seen is not None and seen.waiting and seen.watches_any(reached)
 
 
 def _began(
-    waiting: list[tuple[OptimizerRecord, weakref.ReferenceType[torch.optim.Optimizer]]],
+    waiting: Waiting,
     masters: Masters,
     params_of: Callable[[torch.optim.Optimizer], list[torch.Tensor]],
     grad: torch.Tensor,
