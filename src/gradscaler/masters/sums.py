@@ -137,7 +137,10 @@ class Sum:
         if other.handle is not None:
             other.handle.remove()
             other.handle = None
-        self.total, self.low, self.fresh, self.master = other.total, other.low, other.fresh, other.master
+        self.total, self.low, self.fresh = other.total, other.low, other.fresh
+        # the master of a scaler that is gone is no one's: a hook that only met the parameter in a scaled graph
+        # sums apart (and gives its sum back at its update), and a binding names its own master
+        self.master = other.master if other.owner() is not None else None
         other.total = other.low = None
         if self.total is not None:
             zeroing.waiting(param, self)
