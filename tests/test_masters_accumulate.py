@@ -1149,3 +1149,34 @@ def test_a_refused_create_graph_backward_leaves_float32_layers_and_sums_as_they_
     refused, penalties = run(refuse=True)
     assert same(refused, plain)
     assert len(penalties) == 3 and all(bool(torch.isfinite(p).all()) for p in penalties)
+
+
+def test_a_scaler_dropped_and_replaced_within_a_window_carries_its_sum_on() -> None:
+    """A scaler with float32 sums dropped between two micro-batches and replaced by a new one (its state loaded):
+    the new scaler's hooks take over the dropped one's and carry the window's sum on, which lives in the masters'
+    gradients once bound (a first form of a fix for the scalers machine's seed 15 dropped it: the second step
+    then took the last micro-batch only)."""
+
+    def run(replace: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).half()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        kwargs: dict[str, Any] = {"init_scale": 2.0**10, "master_weights": True, "accumulate_grads_in_fp32": True}
+        scaler = GradScaler("cpu", **kwargs)
+        x = torch.randn(2, 8, 4).half()
+        for step in range(2):
+            for micro in range(2):
+                if replace and step == 1 and micro == 1:
+                    new = GradScaler("cpu", **kwargs)
+                    new.load_state_dict(scaler.state_dict())
+                    del scaler
+                    gc.collect()
+                    scaler = new
+                scaler.scale(model(x[micro]).float().square().mean()).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        return [p.detach().clone() for p in model.parameters()]
+
+    for a, b in zip(run(replace=True), run(replace=False), strict=True):
+        assert torch.equal(a, b)

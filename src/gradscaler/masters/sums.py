@@ -137,10 +137,13 @@ class Sum:
         if other.handle is not None:
             other.handle.remove()
             other.handle = None
-        self.total, self.low, self.fresh = other.total, other.low, other.fresh
-        # the master of a scaler that is gone is no one's: a hook that only met the parameter in a scaled graph
-        # sums apart (and gives its sum back at its update), and a binding names its own master
-        self.master = other.master if other.owner() is not None else None
+        self.total, self.low, self.fresh, self.master = other.total, other.low, other.fresh, other.master
+        master = None if other.master is None else other.master()
+        if other.owner() is None:  # a scaler that is gone binds nothing: its master is no one's
+            self.master = None  # a hook that only met the parameter in a scaled graph sums apart, gives it back
+            if master is not None and master.grad is not None and self.total is None and not self.fresh:
+                self.total = master.grad.clone()  # its iteration's sum so far, carried on in this hook
+                self.low = self.total.to(param.dtype)
         other.total = other.low = None
         if self.total is not None:
             zeroing.waiting(param, self)
