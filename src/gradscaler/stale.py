@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol, TypeAlias, TypedDict
 
 import torch
@@ -160,25 +160,29 @@ def watch_unscaled(
     return Watch(waiting, masters, params_of) if waiting else None
 
 
-def leaves(output: torch.Tensor) -> set[int]:
-    """The ids of the tensors a backward of ``output`` accumulates gradients into: its graph's ``AccumulateGrad``
-    nodes (those a reentrant activation checkpoint hides inside its node are not seen)."""
-    if output.grad_fn is None:
-        return {id(output)}
-    found: set[int] = set()
-    held: dict[int, Any] = {}  # each node seen, held: a node freed after its visit could pass its id to another
-    stack: list[Any] = [output.grad_fn]
+def graph_nodes(output: Any) -> Iterator[Any]:
+    """Each node of the autograd graph of ``output`` (a tensor, or a node) once, from the top; an
+    ``AccumulateGrad`` node (it has a ``variable``) ends its branch. Each node met is held until the walk ends:
+    torch (2.11 and older) makes a new Python object for a node at each access and frees it after, so a bare
+    id() set would meet a freed node's id again on another node and skip it (and every node below it)."""
+    stack: list[Any] = [getattr(output, "grad_fn", output)]
+    held: dict[int, Any] = {}
     while stack:
         node = stack.pop()
         if node is None or id(node) in held:
             continue
         held[id(node)] = node
-        variable = getattr(node, "variable", None)
-        if variable is not None:
-            found.add(id(variable))
-        else:
+        yield node
+        if getattr(node, "variable", None) is None:
             stack.extend(following for following, _ in node.next_functions)
-    return found
+
+
+def leaves(output: torch.Tensor) -> set[int]:
+    """The ids of the tensors a backward of ``output`` accumulates gradients into: its graph's ``AccumulateGrad``
+    nodes (those a reentrant activation checkpoint hides inside its node are not seen)."""
+    if output.grad_fn is None:
+        return {id(output)}
+    return {id(variable) for node in graph_nodes(output) if (variable := getattr(node, "variable", None)) is not None}
 
 
 def _reaches(record: OptimizerRecord, reached: set[int]) -> bool:

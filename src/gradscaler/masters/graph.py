@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from gradscaler.masters.checks import LOW_PRECISION
+from gradscaler.stale import graph_nodes
 
 
 def graph_leaves(output: Any, running: bool = False) -> list[torch.Tensor]:
@@ -20,16 +21,7 @@ def graph_leaves(output: Any, running: bool = False) -> list[torch.Tensor]:
     ``running``: called inside that backward, before it reaches them, ``output`` its node: the parameters it will
     accumulate into (none for ``torch.autograd.grad``; those of ``inputs``), a checkpoint's hidden ones left out."""
     found: list[torch.Tensor] = []
-    stack = [getattr(output, "grad_fn", output)]  # a tensor's node, or the node itself
-    # Each node seen is held here: torch (2.11 and older) makes a new Python object for a node at each
-    # access and frees it after, so a bare id() set would meet a freed node's id again on another node
-    # and skip it (and every parameter below it).
-    seen: dict[int, Any] = {}
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen[id(node)] = node
+    for node in graph_nodes(output):
         variable = getattr(node, "variable", None)
         if variable is not None:
             low = isinstance(variable, torch.nn.Parameter) and variable.dtype in LOW_PRECISION
@@ -39,7 +31,6 @@ def graph_leaves(output: Any, running: bool = False) -> list[torch.Tensor]:
         function = getattr(node, "run_function", None)
         if function is not None and not running:  # its other arguments: ``inputs`` (tensors as None)
             found.extend(checkpointed((function, getattr(node, "inputs", None)), depth=5))
-        stack.extend(next_node for next_node, _ in node.next_functions)
     return found
 
 
