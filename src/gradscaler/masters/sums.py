@@ -138,8 +138,8 @@ class Sum:
             other.handle.remove()
             other.handle = None
         self.total, self.low, self.fresh, self.master = other.total, other.low, other.fresh, other.master
-        master = None if other.master is None else other.master()
         if other.owner() is None:  # a scaler that is gone binds nothing: its master is no one's
+            master = None if other.master is None else other.master()
             self.master = None  # a hook that only met the parameter in a scaled graph sums apart, gives it back
             if master is not None and master.grad is not None and self.total is None and not self.fresh:
                 self.total = master.grad.clone()  # its iteration's sum so far, carried on in this hook
