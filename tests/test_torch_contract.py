@@ -212,3 +212,35 @@ def test_cuda_scaler_without_cuda_warns_and_disables() -> None:
         scaler = GradScaler("cuda")
     assert not scaler.is_enabled()
     assert not any("torch.cuda.amp.GradScaler" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("master_weights", [False, True], ids=["plain", "masters"])
+def test_step_calls_a_subclass_unscale_(master_weights: bool) -> None:
+    """torch's ``step`` unscales through ``self.unscale_``: a subclass that overrides it (to log, to count) is
+    called once per step that unscales, not at all after its own call, and the run is the one without it."""
+
+    class Counting(GradScaler):
+        calls = 0
+
+        def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+            type(self).calls += 1
+            super().unscale_(optimizer)
+
+    runs = []
+    for cls in (GradScaler, Counting):
+        model, optimizer, data = models_and_data(steps=3)
+        if master_weights:
+            model.half()
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        scaler = cls(DEVICE, init_scale=2.0**8, master_weights=master_weights)
+        for step, (x, y) in enumerate(data):
+            optimizer.zero_grad()
+            out = model(x.to(next(model.parameters()).dtype)).float()
+            scaler.scale(torch.nn.functional.mse_loss(out, y)).backward()
+            if step == 1:
+                scaler.unscale_(optimizer)
+            scaler.step(optimizer)
+            scaler.update()
+        runs.append([p.detach().clone() for p in model.parameters()])
+    assert Counting.calls == 3  # steps 0 and 2 through step, step 1 the loop's own call (step then skips it)
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))

@@ -197,8 +197,13 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         iteration, before ``step``. float16 gradients are refused (``ValueError``), unless
         ``master_weights=True`` moves them to float32 masters (then they show the unscaled values).
         """
-        if not self._enabled:
-            return
+        if self._enabled:
+            self._unscale(optimizer, keep=not self._in_step)
+
+    def _unscale(self, optimizer: torch.optim.Optimizer, keep: bool) -> None:
+        """``unscale_``'s work, for ``step`` to call within its own eager half (one ``torch.compiler.disable``
+        wrapper less a step); ``keep``: the user's own call, after which the model's gradients show unscaled
+        values until ``step``."""
         optimizer = masters.unwrap(optimizer)
         self._check_scale_growth_tracker("unscale_")
         record = self._record(optimizer)
@@ -206,7 +211,6 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         params = self._params(optimizer)  # cached, and the agreement resolved from them
         agreement = self._agreement(optimizer)  # before any gradient is touched: a refusal changes nothing
         inv_scale = self._inv_scale()  # the masters' gradients: moved, checked (and unscaled) in one pass
-        keep = not self._in_step  # the user's own call: the model's gradients show unscaled values until step
         moved = self._masters.move(optimizer, None if self._custom_unscale else inv_scale, keep=keep)
         if self._custom_unscale:  # torch's hook, as torch's unscale_ calls it: every gradient, the masters' too
             per_device = self._unscale_grads_(optimizer, inv_scale, torch.zeros_like(inv_scale), False)
@@ -321,11 +325,14 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         if fused.supports_amp_scaling(optimizer):
             return self._begin_fused_step(target, optimizer, record, args, kwargs)
         if record["stage"] is OptState.READY:
-            self._in_step = True
-            try:
-                self.unscale_(optimizer)
-            finally:
-                self._in_step = False
+            if type(self).unscale_ is GradScaler.unscale_:
+                self._unscale(optimizer, keep=False)
+            else:  # a subclass's own unscale_, called as torch's step calls it
+                self._in_step = True
+                try:
+                    self.unscale_(optimizer)
+                finally:
+                    self._in_step = False
         self._masters.before_step(optimizer)
         if self._custom_opt_step:  # the subclass's hook decides; the masters copy back after a real step
             return fused.Step(optimizer, record, self._maybe_opt_step, (target, record, *args), kwargs, stepped=None)
