@@ -235,3 +235,33 @@ def test_update_with_the_scale_held_on_the_host_matches_the_clamped_update(found
         update_scale_(s, tracker, hysteresis, torch.tensor(found), policy, (s.item(), s.item()) if held else None)
         results.append(s.item())
     assert results[0] == results[1]
+
+
+_FLOAT32 = st.floats(min_value=SCALE_FLOOR, max_value=FLOAT32_MAX, width=32)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    scale=_FLOAT32,
+    growth=st.one_of(st.sampled_from([2.0, 1.5, 1.1, 1.0 + 2.0**-30]), st.floats(1.0, 1e3, exclude_min=True)),
+    backoff=st.one_of(st.sampled_from([0.5, 0.25, 0.9]), st.floats(0.0, 1.0, exclude_min=True, exclude_max=True)),
+    interval=st.integers(1, 4),
+    tracker=st.integers(0, 5),
+    found=st.sampled_from([0.0, 1.0, float("nan"), float("inf")]),
+    bounds=st.sampled_from([(None, None), (1.0, 2.0**20), (2.0**-100, 3.0e38), (0.75, 0.75)]),
+)
+def test_the_host_form_of_torchs_kernel_gives_the_device_update_bit_for_bit(
+    scale: float, growth: float, backoff: float, interval: int, tracker: int, found: float, bounds: tuple
+) -> None:
+    """``ScaleRule.next_on_host`` (the device telemetry's records) is ``update_scale_`` on the device: the same
+    float32 scale and tracker for any scale up to float32's max (growth to inf refused), odd factors whose
+    float64 products round, trackers at, below and past the interval, and NaN or inf flags (an overflow)."""
+    low, high = bounds
+    policy = ScaleRule(
+        growth_factor=growth, backoff_factor=backoff, growth_interval=interval, min_scale=low, max_scale=high
+    )
+    s = torch.tensor(scale).clamp_(policy.lower, policy.upper)
+    held = s.item()
+    t = torch.tensor(tracker, dtype=torch.int32)
+    update_scale_(s, t, torch.ones((), dtype=torch.int32), torch.tensor(found), policy)
+    assert policy.next_on_host(held, tracker, found != 0) == (s.item(), int(t.item()))

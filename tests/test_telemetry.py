@@ -225,3 +225,41 @@ def test_a_record_whose_copy_fails_leaves_nothing_behind() -> None:
             keeper.record_(torch.tensor(float(step % 3 == 0)), keeper.before(scale), scale, 1.0, tag=step)
     assert [r.tag for r in failing.landed(wait=True)] == [r.tag for r in keepers[1].landed(wait=True)]
     assert failing.read() == keepers[1].read() and failing.histories() == keepers[1].histories()
+
+
+@pytest.mark.parametrize("failing", ["monitor", "record"])
+def test_an_update_whose_record_fails_leaves_the_later_records_right(
+    failing: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The scale moved, then the record's bookkeeping raised (an allocation on the device can): that update has
+    no record, and every later one is the scale the device holds. The device keeper computes its records from
+    the scale and growth tracker it last knew: after such a failure it copies them again, as the host keeper
+    reads them, so the two agree (without that copy the computed history drifts a growth off for good)."""
+    from gradscaler.record import monitor
+
+    runs = {}
+    for route in ("generic", "auto"):
+        monkeypatch.setenv("GRADSCALER_KERNEL", route)
+        scaler = GradScaler("cpu", init_scale=4.0, growth_interval=3, history=32, collapse_patience=None)
+        param = nn.Parameter(torch.ones(2))
+        opt = torch.optim.SGD([param], lr=0.01)
+        for step in range(12):
+            opt.zero_grad()
+            scaler.scale(param.sum() * (math.inf if step == 7 else 1.0)).backward()
+            scaler.step(opt)
+            if step == 4:
+                with monkeypatch.context() as patch:
+                    target = monitor.Monitor if failing == "monitor" else type(scaler._telemetry)
+                    patch.setattr(target, "record_update" if failing == "monitor" else "record_", _raises)
+                    with pytest.raises(torch.OutOfMemoryError):
+                        scaler.update()
+                scaler._per_optimizer_states.clear()  # the iteration is over, record or not
+            else:
+                scaler.update()
+        runs[route] = (scaler.history(), scaler.stats(), scaler.get_scale())
+    assert runs["generic"] == runs["auto"]
+    assert runs["auto"][0]["scale"][-1] == runs["auto"][2]
+
+
+def _raises(*args: object, **kwargs: object) -> None:
+    raise torch.OutOfMemoryError("no memory for the record")

@@ -1,10 +1,11 @@
 """The device keeper (records batched to the host) against the host keeper, in any order of calls.
 
-Two scalers train the same parameter with the same gradients: one keeps its telemetry with the
-device route's ``Telemetry`` (one copy of the scale per update, ``RECORDS_PER_COPY`` records per copy
-to the host), the other with ``HostTelemetry`` (every value read at once). Hypothesis picks the order
-of updates (clean or overflowing), scales set by ``update(new_scale)``, loads, policy changes, a
-logger attached mid-run and reads; whatever the order, the two report the same ``stats()``,
+Two scalers train the same parameter with the same gradients: one keeps its telemetry with the device
+route's ``Telemetry`` (under torch's rule each scale after an update computed on the host from the flags,
+under a rule with hysteresis copied; ``RECORDS_PER_COPY`` records per copy to the host), the other with
+``HostTelemetry`` (every value read at once). Hypothesis picks the order of updates (clean or overflowing),
+scales set by ``update(new_scale)``, loads (of a growth tracker and a hysteresis too), policy changes, growth
+intervals, a logger attached mid-run and reads; whatever the order, the two report the same ``stats()``,
 ``history()``, ``state_dict()`` and logged records, and the same scale.
 """
 
@@ -72,6 +73,23 @@ class KeeperMachine(RuleBasedStateMachine):
             scaler.set_growth_factor(factor)
             scaler.set_backoff_factor(backoff)
 
+    @rule(interval=st.sampled_from([1, 2, 3]))
+    def set_interval(self, interval: int) -> None:
+        for scaler, *_ in self._each():
+            scaler.set_growth_interval(interval)  # clamps a tracker past it: the device keeper copies it again
+
+    @rule(hysteresis=st.sampled_from([1, 2]), tracker=st.integers(0, 2))
+    def load_hysteresis(self, hysteresis: int, tracker: int) -> None:
+        """A rule torch's kernel does not compute (hysteresis 2: the device keeper copies each scale) and back,
+        with a growth tracker set by the load."""
+        state = self.scalers["host"].state_dict()
+        if "hysteresis" not in state:
+            return  # not yet stepped: the state dict is torch's
+        tracker = min(tracker, state["growth_interval"] - 1)
+        state.update(hysteresis=hysteresis, _hysteresis_tracker=hysteresis, _growth_tracker=tracker)
+        for scaler, *_ in self._each():
+            scaler.load_state_dict(dict(state))
+
     @rule(skipped=st.integers(0, 5), scale=st.sampled_from([1.0, 64.0]))
     def load(self, skipped: int, scale: float) -> None:
         state = self.scalers["host"].state_dict()
@@ -93,6 +111,10 @@ class KeeperMachine(RuleBasedStateMachine):
         assert device.history() == host.history()
         assert device.state_dict() == host.state_dict()
         assert self.logs["device"] == self.logs["host"]
+
+    def teardown(self) -> None:
+        if hasattr(self, "scalers"):
+            self.read()  # every run ends with the full comparison, whether or not it drew a read
 
     @invariant()
     def same_scale(self) -> None:

@@ -180,6 +180,29 @@ class ScaleRule:
         """True when torch's ``_amp_update_scale_`` kernel computes this rule (before the clamp)."""
         return self.hysteresis == 1
 
+    def next_on_host(self, scale: float, tracker: int, skipped: bool) -> tuple[float, int]:
+        """The scale and growth tracker that ``update_scale_`` leaves after one update of a rule that
+        ``matches_torch_kernel``, computed from host numbers: torch's kernel (each product in float64, rounded
+        once to float32; a growth past float32's range leaves the scale as it was; the tracker compared to the
+        interval with ``==``), then the clamp. ``scale`` is within ``[lower, upper]``, as every scale a scaler
+        holds is. The device telemetry computes its records' scales with it from their flags instead of
+        copying the scale at each update; tests/test_rule.py holds the two bit for bit."""
+        if skipped:
+            return self.clamp(_to_float32(scale * self.backoff_factor)), 0
+        if tracker + 1 != self.growth_interval:
+            return scale, tracker + 1  # a clean update that does not grow: the clamp moves no scale within bounds
+        grown = _to_float32(scale * self.growth_factor)
+        return self.clamp(grown if math.isfinite(grown) else scale), 0
+
+
+def _to_float32(value: float) -> float:
+    """``value`` rounded to the nearest float32 (ties to even), as C's cast rounds it: inf past float32's range."""
+    try:
+        rounded: float = struct.unpack("<f", struct.pack("<f", value))[0]
+    except OverflowError:  # struct refuses what rounds to inf; the kernel's cast gives inf
+        return math.copysign(math.inf, value)
+    return rounded
+
 
 def _float32_toward(value: float, direction: int) -> float:
     """The float32 nearest ``value`` (0 <= value <= float32 max) on the side of ``direction`` (+1 or -1)."""

@@ -201,9 +201,8 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
             self._unscale(optimizer, keep=not self._in_step)
 
     def _unscale(self, optimizer: torch.optim.Optimizer, keep: bool) -> None:
-        """``unscale_``'s work, for ``step`` to call within its own eager half (one ``torch.compiler.disable``
-        wrapper less a step); ``keep``: the user's own call, after which the model's gradients show unscaled
-        values until ``step``."""
+        """``unscale_``'s work, called by ``step`` inside its own eager half (no second disable wrapper);
+        ``keep``: the user's own call (the model's gradients then show unscaled values until ``step``)."""
         optimizer = masters.unwrap(optimizer)
         self._check_scale_growth_tracker("unscale_")
         record = self._record(optimizer)
@@ -409,7 +408,7 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
             raise AssertionError("No inf checks were recorded prior to update.")
         found = grads.combine_flags(flags)
         assert self._hysteresis_tracker is not None and self._telemetry is not None
-        before = self._telemetry.before(scale)  # a float when the scale is in host memory
+        before = self._telemetry.before(scale, growth_tracker, self._rule)  # a float when the scale is in host memory
         span = self._telemetry.span(self._rule)  # where the scale can be now, when the host knows
         rule.update_scale_(scale, growth_tracker, self._hysteresis_tracker, found, self._rule, span)
         tag, carry = self._monitor.record_update(records, found, self._rule)

@@ -22,6 +22,7 @@ class TorchSurface:
     _init_growth_tracker: int
     _scale: torch.Tensor | None
     _growth_tracker: torch.Tensor | None
+    _telemetry: Any  # a ``record.telemetry.Keeper`` once the scale is made
     _per_optimizer_states: Any
 
     def _params(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -54,6 +55,7 @@ class TorchSurface:
         self._init_growth_tracker = min(self._init_growth_tracker, highest)
         if self._growth_tracker is not None:
             self._growth_tracker.clamp_(max=highest)
+            self._telemetry.rebase()  # the tracker may have moved outside the rule
 
     def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
         fix = "This may indicate your script did not use scaler.scale(loss or outputs) earlier in the iteration."

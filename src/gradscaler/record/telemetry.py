@@ -2,12 +2,13 @@
 
 Every ``update()`` adds one record. Two keepers share one accounting (``events`` and ``CONSECUTIVE``):
 
-* ``Telemetry``, for a scale on an accelerator: one device op per record (a copy of the scale; the last
-  record of a batch is copied by the batch's stack), nothing read back on the way. The flags and scales
-  of ``RECORDS_PER_COPY`` records travel to (pinned, on CUDA) host memory in one non-blocking copy, and
-  the host accounts them once it has landed, with ``HostTelemetry``'s code. Every record lands, in
-  order. Works under CUDA-graph capture (captured records are written to a device ring and accounted
-  when read).
+* ``Telemetry``, for a scale on an accelerator: no device op per record under torch's rule (the flag is
+  kept as it is; the host computes the scale after each update from the flags, ``ScaleRule.next_on_host``),
+  one (a copy of the scale) under a rule torch's kernel does not compute; nothing read back on the way.
+  The flags (and copied scales) of ``RECORDS_PER_COPY`` records travel to (pinned, on CUDA) host memory in
+  one non-blocking copy, and the host accounts them once it has landed, with ``HostTelemetry``'s code.
+  Every record lands, in order. Works under CUDA-graph capture (captured records are written to a device
+  ring and accounted when read).
 * ``HostTelemetry``, for a scale in host memory (the CPU): the record is kept in Python numbers. Reading
   a CPU tensor costs what reading a float does, while each tiny tensor op costs 1-2 us of dispatch:
   this keeper reads the flag and the scale at once.
@@ -61,7 +62,7 @@ class Landed(NamedTuple):
 class Keeper(Protocol):
     """What the scaler asks of a telemetry keeper."""
 
-    def before(self, scale: torch.Tensor) -> Any: ...
+    def before(self, scale: torch.Tensor, tracker: torch.Tensor | None = None, rule: Any = None) -> Any: ...
     def rebase(self) -> None: ...
     def copy_every(self, records: int) -> None: ...
     def span(self, rule: Any) -> tuple[float, float] | None: ...
@@ -95,9 +96,13 @@ class Telemetry:
     """The keeper for a scale on an accelerator: one device op per update, the accounting on the host.
 
     Each ``record_`` keeps the update's overflow flag as it is (a tensor of that iteration, which
-    nothing writes again) and one copy of the scale after it (the record that ends a batch is copied by
-    the batch's ``stack``, made at once); the scale before it is the previous record's after, unless
-    ``rebase`` said the scale moved outside the rule (the next ``before`` then copies it). Every
+    nothing writes again). The scale after it is computed on the host when ``before`` was given the growth
+    tracker and a rule torch's kernel computes (``ScaleRule.next_on_host``, from the scale and tracker before
+    it and the flag: no device op), else copied (the record that ends a batch is copied by the batch's
+    ``stack``, made at once). The scale before a record is the previous record's after, unless ``rebase``
+    said the scale (or the tracker) moved outside the rule, or an update made no record after its ``before``
+    (its bookkeeping raised): the next ``before`` then copies the scale, and the tracker when the record is
+    computed (two ops, once; also after a copied record). Every
     ``RECORDS_PER_COPY`` records, or when read, one ``stack`` and one non-blocking copy to (pinned, on
     CUDA) host memory carry a batch over; once a batch's copy has landed, the host accounts its records
     exactly as ``HostTelemetry`` does (the same code). So a record reaches
@@ -114,12 +119,17 @@ class Telemetry:
         self._host = HostTelemetry(history, counters)
         self._device = device
         self._pin = device.type == "cuda"
-        # the records made and not yet copied: their flags (0-d float32), scales after, and host notes
+        # the records made and not yet copied: their flags (0-d float32), scales after (copied records), host notes
         self._flags: list[torch.Tensor] = []
         self._afters: list[torch.Tensor] = []
-        self._notes: list[tuple[float, Any, torch.Tensor | None]] = []  # (lower, tag, carried)
+        self._notes: list[_Note] = []
         self._per_copy = RECORDS_PER_COPY
         self._first_before: torch.Tensor | None = None  # the scale before the pending batch, when copied
+        self._first_tracker: torch.Tensor | None = None  # its growth tracker (host memory), when computed and copied
+        self._rule_now: Any = None  # the rule ``before`` was given, when the coming record is computed (else None)
+        self._chained = False  # the host will know the tracker after the last record made (computed since a copy)
+        self._tracker: int | None = None  # the growth tracker after the last accounted record, when known
+        self._awaiting = False  # ``before`` was called and its update's ``record_`` not yet made
         self._in_flight: deque[_Batch] = deque()  # copies issued, oldest first
         self._landed: deque[Landed] = deque(maxlen=IN_FLIGHT)
         self._buffers: dict[int, list[torch.Tensor]] = {}  # host buffers read already, by length
@@ -134,17 +144,37 @@ class Telemetry:
     def _capturing(self) -> bool:
         return self._ring is not None and torch.cuda.is_current_stream_capturing()
 
-    def before(self, scale: torch.Tensor) -> torch.Tensor | None:
-        """The scale as it is now, when the previous record's after is not it (a device copy), else None."""
-        if not self._rebased or self._capturing():
+    def before(self, scale: torch.Tensor, tracker: torch.Tensor | None = None, rule: Any = None) -> torch.Tensor | None:
+        """Called before the update that the next ``record_`` records. With ``tracker`` (the growth tracker) and
+        a ``rule`` that ``matches_torch_kernel``, that record's scale after is computed on the host, not copied.
+        Returns the scale as it is now when the previous record's after is not it (a device copy), else None."""
+        if self._capturing():
+            return None
+        if self._awaiting:  # the last update moved the scale and made no record (its bookkeeping raised)
+            self.rebase()
+        self._awaiting = True
+        # after a capture the graph's replays move the scale and tracker unseen: copied from then on
+        known = tracker is not None and rule is not None and not self._captured
+        computed = rule if known and rule.matches_torch_kernel else None
+        self._rule_now = computed
+        copy_tracker = computed is not None and not self._chained
+        if not (self._rebased or copy_tracker):
             return None
         self._flush()  # a batch starts at a copied before
+        if copy_tracker:
+            assert tracker is not None
+            host = torch.empty(1, dtype=tracker.dtype, pin_memory=self._pin)
+            self._first_tracker = host.copy_(tracker.reshape(1), non_blocking=True)  # before the update moves it
+            self._chained = True
+        copied = scale.clone() if self._rebased else None
         self._rebased = False
-        return scale.clone()
+        return copied
 
     def rebase(self) -> None:
-        """The scale was set outside the rule (``update(new_scale)``, a load): the next record copies it."""
+        """The scale or the growth tracker was set outside the rule (``update(new_scale)``, a load, a new
+        growth interval): the next record copies the scale, and the tracker when it is computed."""
         self._rebased = True
+        self._chained = False
         self._rebased_at = self._made
 
     def copy_every(self, records: int) -> None:
@@ -184,23 +214,28 @@ class Telemetry:
         if self._capturing():
             assert self._ring is not None
             self._ring.write_(found, after)  # the records pending stay so, to be copied after the capture
-            self._ring.lower, self._captured = lower, True
+            self._ring.lower, self._captured, self._chained = lower, True, False  # a replay moves the tracker
             return False
         if before is not None:
             self._first_before = before
         carried = None if carry is None else carry.to("cpu", non_blocking=True)
         flush = len(self._notes) + 1 >= self._per_copy  # this record's batch is stacked now: no copy of its own
-        kept = after if flush else after.clone()
+        rule, self._rule_now = self._rule_now, None
+        kept = None if rule is not None else after if flush else after.clone()
         plain = found.dim() == 0 and found.dtype == torch.float32  # a reshape and a conversion are ops
         flag = found if plain else found.reshape(()).float()
-        # appended once nothing can fail: the three lists stay in step (a failed copy leaves no record)
+        # appended once nothing can fail: the lists stay in step (a failed copy leaves no record)
         self._flags.append(flag)
-        self._afters.append(kept)
-        self._notes.append((lower, tag, carried))
+        if kept is not None:
+            self._afters.append(kept)
+            self._chained = False
+        self._notes.append(_Note(lower, tag, carried, rule))
         self._made += 1
+        self._awaiting = False
         if flush:
             self._flush()
-        self._drain(wait=False)
+        if self._in_flight:
+            self._drain(wait=False)
         return bool(self._landed)
 
     def landed(self, wait: bool = False) -> list[Landed]:
@@ -235,13 +270,13 @@ class Telemetry:
         self._drain(wait=True)
 
     def _flush(self) -> None:
-        """Start the copy of the pending records: one stack, one non-blocking copy."""
+        """Start the copy of the pending records: one stack, one non-blocking copy (a lone flag: the copy alone)."""
         if not self._notes:
             return
-        values = self._flags + self._afters
+        values = self._flags + self._afters  # no afters in a computed batch
         if self._first_before is not None:
             values.append(self._first_before)
-        stacked = torch.stack(values)
+        stacked = values[0].reshape(1) if len(values) == 1 else torch.stack(values)  # a flag is never written again
         free = self._buffers.setdefault(stacked.shape[0], [])
         host = free.pop() if free else torch.empty(stacked.shape, dtype=torch.float32, pin_memory=self._pin)
         host.copy_(stacked, non_blocking=True)
@@ -249,8 +284,8 @@ class Telemetry:
         if stacked.is_cuda:
             event = torch.cuda.Event()
             event.record()
-        self._in_flight.append(_Batch(host, self._notes, event))
-        self._flags, self._afters, self._notes, self._first_before = [], [], [], None
+        self._in_flight.append(_Batch(host, self._notes, event, len(self._afters), self._first_tracker))
+        self._flags, self._afters, self._notes, self._first_before, self._first_tracker = [], [], [], None, None
 
     def _drain(self, wait: bool) -> None:
         """Account every batch whose copy has landed (all of them with ``wait``), in order."""
@@ -265,15 +300,21 @@ class Telemetry:
             values = batch.host.tolist()
             self._buffers[batch.host.shape[0]].append(batch.host)  # read: free for a later copy
             count = len(batch.records)
-            before = values[2 * count] if len(values) > 2 * count else self._last_after
+            given = count + batch.copied  # the flags, then the copied records' afters
+            before = values[given] if len(values) > given else self._last_after
             assert before is not None, "the first record copies its before"
+            tracker = self._tracker if batch.tracker is None else batch.tracker.tolist()[0]  # host memory
+            copied = iter(values[count:given])
             account, landed = self._host.account, self._landed
-            for found, after, (lower, tag, carried) in zip(
-                values[:count], values[count : 2 * count], batch.records, strict=True
-            ):
-                landed.append(account(found != 0, before, after, lower, tag, carried))
+            for found, note in zip(values[:count], batch.records, strict=True):
+                if note.rule is None:
+                    after, tracker = next(copied), None
+                else:  # a computed record follows a copied one only where ``before`` copied the tracker
+                    assert tracker is not None, "a computed record starts where the tracker is known"
+                    after, tracker = note.rule.next_on_host(before, tracker, found != 0)
+                landed.append(account(found != 0, before, after, note.lower, note.tag, note.carried))
                 before = after
-            self._last_after = before
+            self._last_after, self._tracker = before, tracker
             self._accounted += count
         if wait and self._captured:
             assert self._ring is not None
@@ -281,15 +322,29 @@ class Telemetry:
                 before = self._last_after if self._last_after is not None else after
                 self._landed.append(self._host.account(found != 0, before, after, self._ring.lower))
                 self._last_after = after
+            self._tracker = None  # computed records stopped at the capture: none follows it
+
+
+class _Note(NamedTuple):
+    """What the host keeps of one record made: the rule's floor, the caller's tag and carried tensor, and the
+    rule that computes its scale after (None: the scale was copied)."""
+
+    lower: float
+    tag: Any
+    carried: torch.Tensor | None
+    rule: Any
 
 
 class _Batch(NamedTuple):
-    """A batch of records in flight: host buffer (flags, scales after, maybe the before), per record
-    ``(lower, tag, carried)``, and the event its copy completes (None off CUDA)."""
+    """A batch of records in flight: host buffer (flags, the copied scales after, maybe the before), the
+    records' notes, the event its copy completes (None off CUDA), how many were copied, and the growth
+    tracker before the batch when ``before`` copied it (else the host knows it, or no record is computed)."""
 
     host: torch.Tensor
-    records: list[tuple[float, Any, torch.Tensor | None]]
+    records: list[_Note]
     event: Any
+    copied: int  # records whose scale after was copied
+    tracker: torch.Tensor | None
 
 
 class _Ring:
@@ -335,7 +390,7 @@ class HostTelemetry:
         self._running = False  # a counter of consecutive events is above 0
         self.load(counters)
 
-    def before(self, scale: torch.Tensor) -> float:
+    def before(self, scale: torch.Tensor, tracker: torch.Tensor | None = None, rule: Any = None) -> float:
         """The scale as it is now, to pass to ``record_`` after the update."""
         self._now = scale.item()
         return self._now
