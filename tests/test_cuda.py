@@ -162,3 +162,62 @@ def test_triton_kernel_reaches_bandwidth_target_shape() -> None:
     torch.testing.assert_close(stats.norms.double(), expected, rtol=1e-5, atol=0)
     grads[100].view(-1)[12345] = float("nan")
     assert float(triton_stats.grad_stats(grads, None).nonfinite) == 1.0
+
+
+def test_the_telemetrys_computed_records_are_the_cuda_kernels_scales() -> None:
+    """On CUDA the telemetry computes each record's scale on the host (``ScaleRule.next_on_host``) instead of
+    copying it: with a growth factor whose float64 products round (1.1), overflows, a growth interval changed
+    mid-run (it clamps the tracker) and a read under way, ``history()`` ends at the scale the device holds, and
+    every record is what the CPU kernel gives for the same flags."""
+    scaler = GradScaler("cuda", init_scale=3.0, growth_factor=1.1, backoff_factor=0.9, growth_interval=2, history=80)
+    param = nn.Parameter(torch.ones(4, device="cuda"))
+    opt = torch.optim.SGD([param], lr=0.01)
+    flags = [step % 5 == 4 for step in range(70)]
+    for step, overflow in enumerate(flags):
+        if step == 30:
+            scaler.set_growth_interval(1)
+        if step == 45:
+            scaler.stats()  # a read sends the pending records early
+        opt.zero_grad()
+        scaler.scale(param.sum() * (float("inf") if overflow else 1.0)).backward()
+        scaler.step(opt)
+        scaler.update()
+    scales = scaler.history()["scale"]
+    assert scales[-1] == scaler.get_scale()
+    scale, tracker, expected = torch.tensor(3.0), torch.zeros((), dtype=torch.int32), []
+    hysteresis = torch.ones((), dtype=torch.int32)
+    from gradscaler.rule import ScaleRule, update_scale_
+
+    for step, overflow in enumerate(flags):
+        rule = ScaleRule(growth_factor=1.1, backoff_factor=0.9, growth_interval=1 if step >= 30 else 2)
+        if step == 30:
+            tracker.clamp_(max=0)
+        update_scale_(scale, tracker, hysteresis, torch.tensor(float(overflow)), rule)
+        expected.append(scale.item())
+    assert scales == expected
+
+
+def test_the_host_form_of_torchs_kernel_is_the_cuda_kernel_bit_for_bit() -> None:
+    """``ScaleRule.next_on_host`` against torch's CUDA ``_amp_update_scale_`` and the clamp (tests/test_rule.py holds
+    it against the CPU kernel): random float32 scales up to float32's max, factors whose products round, trackers at
+    the interval, overflows."""
+    import random
+    import struct
+
+    from gradscaler.rule import FLOAT32_MAX, SCALE_FLOOR, ScaleRule, update_scale_
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        policy = ScaleRule(
+            growth_factor=rng.choice([2.0, 1.1, 1.0 + rng.random() * 10]),
+            backoff_factor=rng.choice([0.5, 0.9, max(rng.random(), 1e-6)]),
+            growth_interval=rng.randint(1, 3),
+        )
+        bits = rng.randint(struct.unpack("<I", struct.pack("<f", SCALE_FLOOR))[0], 0x7F7F_FFFF)
+        held = min(max(struct.unpack("<f", struct.pack("<I", bits))[0], policy.lower), FLOAT32_MAX)
+        tracker, skipped = rng.randint(0, policy.growth_interval - 1), rng.random() < 0.3
+        scale = torch.tensor(held, device="cuda")
+        t = torch.tensor(tracker, dtype=torch.int32, device="cuda")
+        flag = torch.tensor(float(skipped), device="cuda")
+        update_scale_(scale, t, torch.ones((), dtype=torch.int32, device="cuda"), flag, policy)
+        assert policy.next_on_host(held, tracker, skipped) == (scale.item(), int(t.item())), (policy, held, tracker)

@@ -263,3 +263,42 @@ def test_an_update_whose_record_fails_leaves_the_later_records_right(
 
 def _raises(*args: object, **kwargs: object) -> None:
     raise torch.OutOfMemoryError("no memory for the record")
+
+
+def test_a_scale_written_outside_the_scaler_costs_at_most_one_batch_of_records(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A script that writes the scale's tensor itself (torch's private ``_scale``, which some do): the device keeper
+    checks its computed records against the scale each batch carries, copies scale and tracker again on a
+    difference, and from the next batch on reports what the host keeper reads (it drifted for good without it)."""
+    runs = {}
+    for route in ("generic", "auto"):
+        monkeypatch.setenv("GRADSCALER_KERNEL", route)
+        scaler = GradScaler("cpu", init_scale=4.0, growth_interval=3, history=64, collapse_patience=None)
+        param = nn.Parameter(torch.ones(2))
+        opt = torch.optim.SGD([param], lr=0.01)
+        for step in range(3 * RECORDS_PER_COPY):
+            if step == 5:
+                scaler._get_scale_async().fill_(1024.0)  # type: ignore[union-attr]
+            opt.zero_grad()
+            scaler.scale(param.sum() * (math.inf if step % 7 == 6 else 1.0)).backward()
+            scaler.step(opt)
+            scaler.update()
+        runs[route] = scaler.history()["scale"], scaler.get_scale()
+    (device, scale), (host, _) = runs["generic"], runs["auto"]
+    assert device[-1] == scale
+    assert device[RECORDS_PER_COPY:] == host[RECORDS_PER_COPY:]  # all but the batch of the write
+
+
+def test_a_device_whose_kernel_rounds_otherwise_copies_every_record() -> None:
+    """MPS's ``_amp_update_scale_`` multiplies in float32: no record of a scale there is computed on the host."""
+    from gradscaler.record.telemetry import Telemetry
+    from gradscaler.rule import ScaleRule
+
+    scale, tracker = torch.full((), 8.0), torch.zeros((), dtype=torch.int32)
+    kept = []
+    for device in ("cpu", "mps"):
+        keeper = Telemetry(torch.device(device), 4, [0] * len(COUNTERS))
+        keeper.record_(torch.tensor(0.0), keeper.before(scale, tracker, ScaleRule()), scale, 1.0)
+        kept.append(len(keeper._afters))  # the pending records' copied scales (one batch: not yet sent)
+    assert kept == [0, 1]

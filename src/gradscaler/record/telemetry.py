@@ -35,6 +35,10 @@ IN_FLIGHT = 1024
 also waits for its oldest copy rather than run this many updates ahead of the device."""
 RECORDS_PER_COPY = 16
 """Records ``Telemetry`` carries to the host in one copy: two device ops per this many updates."""
+KERNEL_DEVICES = ("cuda", "cpu")
+"""Device types whose ``_amp_update_scale_`` computes what ``ScaleRule.next_on_host`` does (each product in float64,
+``==`` with the interval, no growth to inf): ``Telemetry`` computes their records' scales. Elsewhere (MPS's kernel
+multiplies in float32, compares with ``>=`` and may grow to inf) each record copies its scale."""
 
 _Event = TypeVar("_Event")
 
@@ -93,7 +97,8 @@ def make_telemetry(
 
 
 class Telemetry:
-    """The keeper for a scale on an accelerator: one device op per update, the accounting on the host.
+    """The keeper for a scale on an accelerator: no device op per update under torch's rule (one under another),
+    the accounting on the host.
 
     Each ``record_`` keeps the update's overflow flag as it is (a tensor of that iteration, which
     nothing writes again). The scale after it is computed on the host when ``before`` was given the growth
@@ -102,7 +107,10 @@ class Telemetry:
     ``stack``, made at once). The scale before a record is the previous record's after, unless ``rebase``
     said the scale (or the tracker) moved outside the rule, or an update made no record after its ``before``
     (its bookkeeping raised): the next ``before`` then copies the scale, and the tracker when the record is
-    computed (two ops, once; also after a copied record). Every
+    computed (two ops, once; also after a copied record). A batch of computed records that ``record_`` sends
+    carries the scale as it is then (no op more: the stack's), the last record's after, which the host checks
+    its computation against: a scale written outside the scaler (its private tensor) costs at most that batch's
+    records, and the next update copies the scale and tracker again. Every
     ``RECORDS_PER_COPY`` records, or when read, one ``stack`` and one non-blocking copy to (pinned, on
     CUDA) host memory carry a batch over; once a batch's copy has landed, the host accounts its records
     exactly as ``HostTelemetry`` does (the same code). So a record reaches
@@ -130,6 +138,7 @@ class Telemetry:
         self._chained = False  # the host will know the tracker after the last record made (computed since a copy)
         self._tracker: int | None = None  # the growth tracker after the last accounted record, when known
         self._awaiting = False  # ``before`` was called and its update's ``record_`` not yet made
+        self._computes = device.type in KERNEL_DEVICES  # the device's update is computable on the host
         self._in_flight: deque[_Batch] = deque()  # copies issued, oldest first
         self._landed: deque[Landed] = deque(maxlen=IN_FLIGHT)
         self._buffers: dict[int, list[torch.Tensor]] = {}  # host buffers read already, by length
@@ -154,7 +163,7 @@ class Telemetry:
             self.rebase()
         self._awaiting = True
         # after a capture the graph's replays move the scale and tracker unseen: copied from then on
-        known = tracker is not None and rule is not None and not self._captured
+        known = tracker is not None and rule is not None and self._computes and not self._captured
         computed = rule if known and rule.matches_torch_kernel else None
         self._rule_now = computed
         copy_tracker = computed is not None and not self._chained
@@ -208,7 +217,8 @@ class Telemetry:
         carry: torch.Tensor | None = None,
     ) -> bool:
         """Account for one update: ``found`` 0-d float flag, ``before`` from ``before()``, the scale
-        ``after`` it (copied here: by the batch's stack when this record ends a batch, else on its own).
+        ``after`` it (computed on the host when ``before`` said so; else copied: by the batch's stack when this
+        record ends a batch, else on its own).
         ``tag`` (any host object) and ``carry`` (a device tensor, copied to the host without blocking)
         come back with this record from ``landed``. Returns whether ``landed`` has records to return."""
         if self._capturing():
@@ -232,8 +242,9 @@ class Telemetry:
         self._notes.append(_Note(lower, tag, carried, rule))
         self._made += 1
         self._awaiting = False
-        if flush:
-            self._flush()
+        if flush:  # the scale now is this record's after: a batch of computed records takes it along to check
+            checked = rule is not None and (len(self._notes) > 1 or self._made % RECORDS_PER_COPY == 0)
+            self._flush(after if checked else None)
         if self._in_flight:
             self._drain(wait=False)
         return bool(self._landed)
@@ -269,11 +280,14 @@ class Telemetry:
         self._flush()
         self._drain(wait=True)
 
-    def _flush(self) -> None:
-        """Start the copy of the pending records: one stack, one non-blocking copy (a lone flag: the copy alone)."""
+    def _flush(self, check: torch.Tensor | None = None) -> None:
+        """Start the copy of the pending records: one stack, one non-blocking copy (a lone flag: the copy alone);
+        ``check``: the scale after the last record, for the host to check its computed records against."""
         if not self._notes:
             return
         values = self._flags + self._afters  # no afters in a computed batch
+        if check is not None:
+            values.append(check)
         if self._first_before is not None:
             values.append(self._first_before)
         stacked = values[0].reshape(1) if len(values) == 1 else torch.stack(values)  # a flag is never written again
@@ -284,7 +298,8 @@ class Telemetry:
         if stacked.is_cuda:
             event = torch.cuda.Event()
             event.record()
-        self._in_flight.append(_Batch(host, self._notes, event, len(self._afters), self._first_tracker))
+        batch = _Batch(host, self._notes, event, len(self._afters), check is not None, self._first_tracker)
+        self._in_flight.append(batch)
         self._flags, self._afters, self._notes, self._first_before, self._first_tracker = [], [], [], None, None
 
     def _drain(self, wait: bool) -> None:
@@ -300,7 +315,7 @@ class Telemetry:
             values = batch.host.tolist()
             self._buffers[batch.host.shape[0]].append(batch.host)  # read: free for a later copy
             count = len(batch.records)
-            given = count + batch.copied  # the flags, then the copied records' afters
+            given = count + batch.copied + batch.checked  # the flags, the copied records' afters, the check
             before = values[given] if len(values) > given else self._last_after
             assert before is not None, "the first record copies its before"
             tracker = self._tracker if batch.tracker is None else batch.tracker.tolist()[0]  # host memory
@@ -314,6 +329,9 @@ class Telemetry:
                     after, tracker = note.rule.next_on_host(before, tracker, found != 0)
                 landed.append(account(found != 0, before, after, note.lower, note.tag, note.carried))
                 before = after
+            if batch.checked and values[given - 1] != before:  # a write outside the rule since the last copy
+                before = values[given - 1]
+                self.rebase()  # the next update copies the scale and the tracker again
             self._last_after, self._tracker = before, tracker
             self._accounted += count
         if wait and self._captured:
@@ -344,6 +362,7 @@ class _Batch(NamedTuple):
     records: list[_Note]
     event: Any
     copied: int  # records whose scale after was copied
+    checked: bool  # the scale after the last record follows them, to check the computed ones against
     tracker: torch.Tensor | None
 
 
