@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -240,13 +241,9 @@ def test_an_update_whose_record_fails_leaves_the_later_records_right(
     runs = {}
     for route in ("generic", "auto"):
         monkeypatch.setenv("GRADSCALER_KERNEL", route)
-        scaler = GradScaler("cpu", init_scale=4.0, growth_interval=3, history=32, collapse_patience=None)
-        param = nn.Parameter(torch.ones(2))
-        opt = torch.optim.SGD([param], lr=0.01)
+        scaler, backward_and_step = _scaler_and_step(history=32)
         for step in range(12):
-            opt.zero_grad()
-            scaler.scale(param.sum() * (math.inf if step == 7 else 1.0)).backward()
-            scaler.step(opt)
+            backward_and_step(overflow=step == 7)
             if step == 4:
                 with monkeypatch.context() as patch:
                     target = monitor.Monitor if failing == "monitor" else type(scaler._telemetry)
@@ -265,6 +262,21 @@ def _raises(*args: object, **kwargs: object) -> None:
     raise torch.OutOfMemoryError("no memory for the record")
 
 
+def _scaler_and_step(history: int) -> tuple[GradScaler, Callable[[bool], None]]:
+    """A scaler growing every 3 clean steps over one parameter, and its iteration up to ``update()``: zero_grad,
+    the scaled backward (an inf loss when ``overflow``), the step."""
+    scaler = GradScaler("cpu", init_scale=4.0, growth_interval=3, history=history, collapse_patience=None)
+    param = nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([param], lr=0.01)
+
+    def backward_and_step(overflow: bool) -> None:
+        opt.zero_grad()
+        scaler.scale(param.sum() * (math.inf if overflow else 1.0)).backward()
+        scaler.step(opt)
+
+    return scaler, backward_and_step
+
+
 def test_a_scale_written_outside_the_scaler_costs_at_most_one_batch_of_records(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -274,15 +286,11 @@ def test_a_scale_written_outside_the_scaler_costs_at_most_one_batch_of_records(
     runs = {}
     for route in ("generic", "auto"):
         monkeypatch.setenv("GRADSCALER_KERNEL", route)
-        scaler = GradScaler("cpu", init_scale=4.0, growth_interval=3, history=64, collapse_patience=None)
-        param = nn.Parameter(torch.ones(2))
-        opt = torch.optim.SGD([param], lr=0.01)
+        scaler, backward_and_step = _scaler_and_step(history=64)
         for step in range(3 * RECORDS_PER_COPY):
             if step == 5:
                 scaler._get_scale_async().fill_(1024.0)  # type: ignore[union-attr]
-            opt.zero_grad()
-            scaler.scale(param.sum() * (math.inf if step % 7 == 6 else 1.0)).backward()
-            scaler.step(opt)
+            backward_and_step(overflow=step % 7 == 6)
             scaler.update()
         runs[route] = scaler.history()["scale"], scaler.get_scale()
     (device, scale), (host, _) = runs["generic"], runs["auto"]

@@ -206,7 +206,7 @@ def _to_float32(value: float) -> float:
 
 def _float32_toward(value: float, direction: int) -> float:
     """The float32 nearest ``value`` (0 <= value <= float32 max) on the side of ``direction`` (+1 or -1)."""
-    rounded: float = struct.unpack("<f", struct.pack("<f", value))[0]
+    rounded = _to_float32(value)
     if (rounded - value) * direction < 0:  # stepping the bits of a non-negative float moves it by one ulp
         bits = struct.unpack("<I", struct.pack("<f", rounded))[0] + direction
         rounded = struct.unpack("<f", struct.pack("<I", bits))[0]

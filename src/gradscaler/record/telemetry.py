@@ -319,7 +319,7 @@ class Telemetry:
             before = values[given] if len(values) > given else self._last_after
             assert before is not None, "the first record copies its before"
             tracker = self._tracker if batch.tracker is None else batch.tracker.tolist()[0]  # host memory
-            copied = iter(values[count:given])
+            copied = iter(values[count : count + batch.copied])
             account, landed = self._host.account, self._landed
             for found, note in zip(values[:count], batch.records, strict=True):
                 if note.rule is None:
