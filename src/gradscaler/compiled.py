@@ -19,12 +19,15 @@ Unmarked methods (``get_growth_factor``, ``is_enabled``, ...) read settings only
 ``torch.compiler.disable`` imports ``torch._dynamo`` (over a second), so ``prepare`` applies the marks,
 wherever in the package they sit, when the first scaler is made, before any step can be traced, not
 when ``gradscaler`` is imported.
-Called eagerly, a marked method costs under a microsecond more. docs/migration.md ("torch.compile")
-lists the breaks and their reasons.
+Called eagerly (no compiler watching the thread's frames, the usual loop), an ``eager`` method calls the
+function itself: torch's wrapper would set and restore Dynamo's frame callback around every call, about
+a microsecond and a half a call, four calls a step. docs/migration.md ("torch.compile") lists the breaks
+and their reasons.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 import threading
@@ -76,9 +79,37 @@ def prepare() -> None:
             *path, name = method.__qualname__.split(".")
             for part in path:
                 owner = getattr(owner, part)
+            recursive = getattr(method, _MARK) == "eager"
             try:
-                wrapped = torch.compiler.disable(method, recursive=getattr(method, _MARK) == "eager", **why)
+                wrapped = torch.compiler.disable(method, recursive=recursive, **why)
             except Exception:  # torch._dynamo failed to import: nothing compiles in this process
                 return
-            setattr(owner, name, wrapped)
+            setattr(owner, name, _direct_when_eager(method, wrapped) if recursive else wrapped)
             _unapplied.pop()
+
+
+def _direct_when_eager(method: F, disabled: F) -> F:
+    """``disabled`` (``method`` under ``torch.compiler.disable``) as Dynamo sees it, calling ``method`` itself
+    while Dynamo's frame callback is unset in this thread (no compiled code is running: the call comes
+    from eager code), ``disabled`` otherwise (eager code that a compiled frame resumed after its break:
+    the callback is set, and would compile the method's frames). Traced, it is ``disabled``: Dynamo reads
+    the same marks and breaks the graph at the call. Without the Dynamo internals this needs (another
+    torch), ``disabled`` itself."""
+    try:
+        from torch._C._dynamo.eval_frame import get_eval_frame_callback
+        from torch._dynamo.eval_frame import skip_code
+    except ImportError:
+        return disabled
+
+    def eager(*args: Any, **kwargs: Any) -> Any:
+        if get_eval_frame_callback() is None:
+            return method(*args, **kwargs)
+        return disabled(*args, **kwargs)
+
+    skip_code(eager.__code__)  # with the callback set, this frame runs as it is, never compiled
+    functools.update_wrapper(eager, method)
+    for mark, value in vars(disabled).items():
+        if mark.startswith("_torchdynamo"):
+            setattr(eager, mark, value)
+    eager._torchdynamo_wrapper_id = id(eager)  # type: ignore[attr-defined]  # unwrapped to ``method``
+    return eager  # type: ignore[return-value]
