@@ -221,3 +221,24 @@ def test_the_host_form_of_torchs_kernel_is_the_cuda_kernel_bit_for_bit() -> None
         flag = torch.tensor(float(skipped), device="cuda")
         update_scale_(scale, t, torch.ones((), dtype=torch.int32, device="cuda"), flag, policy)
         assert policy.next_on_host(held, tracker, skipped) == (scale.item(), int(t.item())), (policy, held, tracker)
+
+
+def test_the_one_op_inverse_is_torchs_three_for_every_float32_on_cuda() -> None:
+    """``rule.inverse_scale`` on CUDA is one float32 ``reciprocal``, which must round as torch's float64 reciprocal
+    rounded to float32 (``rule.ROUNDED_DIVISION_DEVICES``): every positive finite float32, vectorized, and a sample
+    through the one-element scale the scaler holds."""
+    import random
+    import struct
+
+    from gradscaler.rule import inverse_scale
+
+    top, chunk = 0x7F7F_FFFF, 1 << 28
+    for start in range(1, top + 1, chunk):
+        bits = torch.arange(start, min(start + chunk, top + 1), dtype=torch.int32, device="cuda")
+        values = bits.view(torch.float32)
+        expected = values.double().reciprocal().float()
+        assert torch.equal(values.reciprocal().view(torch.int32), expected.view(torch.int32)), start
+    rng = random.Random(0)
+    for _ in range(500):
+        held = torch.tensor(struct.unpack("<f", struct.pack("<I", rng.randint(1, top)))[0], device="cuda")
+        assert torch.equal(inverse_scale(held, on_host=False), held.double().reciprocal().float()), held.item()

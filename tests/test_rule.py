@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from gradscaler.rule import SCALE_FLOOR, ScaleRule, set_scale_, update_scale_, update_scale_reference_
+from gradscaler.rule import SCALE_FLOOR, ScaleRule, inverse_scale, set_scale_, update_scale_, update_scale_reference_
 
 
 def trajectory(rule: ScaleRule, flags: list[bool], init: float = 8.0, reference: bool = False) -> list[float]:
@@ -265,3 +265,40 @@ def test_the_host_form_of_torchs_kernel_gives_the_device_update_bit_for_bit(
     t = torch.tensor(tracker, dtype=torch.int32)
     update_scale_(s, t, torch.ones((), dtype=torch.int32), torch.tensor(found), policy)
     assert policy.next_on_host(held, tracker, found != 0) == (s.item(), int(t.item()))
+
+
+def _torchs_inverse(scale: torch.Tensor) -> torch.Tensor:
+    return scale.double().reciprocal().float()  # torch.amp.GradScaler's unscale_, verbatim
+
+
+def test_the_one_op_inverse_is_torchs_three_over_a_sweep_of_every_exponent() -> None:
+    """``inverse_scale`` on a device (one float32 ``reciprocal``) against torch's float64 reciprocal rounded to
+    float32: one positive finite float32 in 251 (every exponent, subnormals included; every one of the 2**31 was
+    checked once, the same way, when the one op replaced the three), in one vectorized pass."""
+    bits = torch.arange(1, 0x7F7F_FFFF + 1, 251, dtype=torch.int64).to(torch.int32)
+    values = bits.view(torch.float32)
+    assert torch.equal(values.reciprocal().view(torch.int32), _torchs_inverse(values).view(torch.int32))
+
+
+@settings(max_examples=300, deadline=None)
+@given(scale=st.floats(min_value=SCALE_FLOOR, max_value=FLOAT32_MAX, width=32))
+def test_the_one_op_inverse_of_a_0d_scale_is_torchs(scale: float) -> None:
+    """The scale is one element: the kernel's scalar loop, not the vectorized one the sweep above runs."""
+    held = torch.tensor(scale)
+    assert torch.equal(inverse_scale(held, on_host=False).view(torch.int32), _torchs_inverse(held).view(torch.int32))
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "elsewhere"])
+def test_the_inverse_is_one_op_where_division_rounds(device_type: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One launch on CUDA and the CPU's device route; torch's three on a device type not known to round its
+    float32 division correctly."""
+    from gradscaler import rule
+    from gradscaler.tools.bench_host import Counts
+
+    if device_type == "elsewhere":
+        monkeypatch.setattr(rule, "ROUNDED_DIVISION_DEVICES", ("cuda",))
+    held = torch.tensor(3.0)
+    with Counts() as counts:
+        inverse = inverse_scale(held, on_host=False)
+    assert sum(counts.ops.values()) == (1 if device_type == "cpu" else 3), counts.ops
+    assert torch.equal(inverse, _torchs_inverse(held))

@@ -213,13 +213,24 @@ def _float32_toward(value: float, direction: int) -> float:
     return rounded
 
 
+ROUNDED_DIVISION_DEVICES = ("cuda", "cpu")
+"""Device types whose float32 ``reciprocal`` is a correctly rounded division (CUDA's ``1 / a`` as nvcc compiles
+it without fast math, torch's CPU kernels, scalar and vectorized). Rounded once to float32, ``1/S`` is the float64
+reciprocal rounded to float32, torch's three ops: rounding a quotient twice, through 53 bits then 24, gives the
+once-rounded result (53 >= 2 * 24 + 2). Checked for every positive finite float32 on the CPU, and on CUDA by
+tests/test_cuda.py. Elsewhere (Metal computes in fast math by default) ``inverse_scale`` makes torch's three ops."""
+
+
 def inverse_scale(scale: torch.Tensor, on_host: bool) -> torch.Tensor:
-    """``1/S`` as torch computes it (a float64 reciprocal rounded to float32), on the scale's device;
-    ``on_host``: the scale reads for free, so the same two roundings are done in Python (one op, not three)."""
+    """``1/S`` as torch computes it (a float64 reciprocal rounded to float32), on the scale's device, in one op:
+    ``on_host`` (the scale reads for free) in Python, on a device in ``ROUNDED_DIVISION_DEVICES`` its float32
+    reciprocal, elsewhere torch's three ops."""
     import torch
 
     if on_host:
         return torch.scalar_tensor(1.0 / scale.item(), dtype=torch.float32, device=scale.device)
+    if scale.device.type in ROUNDED_DIVISION_DEVICES:
+        return scale.reciprocal()
     return scale.double().reciprocal().float()
 
 
