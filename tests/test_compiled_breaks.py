@@ -5,6 +5,7 @@ on purpose never run under tracing. (Recompiles and bits: ``tests/test_compiled.
 from __future__ import annotations
 
 import re
+import sys
 
 import pytest
 import torch
@@ -74,3 +75,33 @@ def test_eager_scaler_methods_run_eagerly_inside_compiled_code() -> None:
     for _ in range(3):
         step(torch.randn(2, 4))
     assert seen == [False, False, False]
+
+
+@pytest.mark.parametrize(("version", "direct"), [("2.5.1", False), ("2.7.1", False), ("2.8.0", True), ("2.13.0", True)])
+def test_the_direct_call_needs_a_torch_whose_callback_reader_is_sound(
+    version: str, direct: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch 2.6 and 2.7's ``get_eval_frame_callback`` returns a borrowed reference (each call takes one from the
+    callback: a crash); 2.4 and 2.5 have none. Before 2.8 the marked methods keep torch's wrapper."""
+
+    def method() -> str:
+        return "called"
+
+    disabled = torch.compiler.disable(method)
+    monkeypatch.setattr(torch, "__version__", version)
+    wrapper = compiled._direct_when_eager(method, disabled)
+    assert (wrapper is not disabled) is direct
+    assert wrapper() == "called" and wrapper._torchdynamo_disable  # type: ignore[attr-defined]
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 12), reason="None is immortal from Python 3.12: its count does not move")
+def test_an_eager_call_takes_no_reference_from_the_callback() -> None:
+    """The reader's result is a reference of our own: a thousand calls leave None's count where it was (torch
+    2.6's borrowed one took a thousand)."""
+    compiled.prepare()
+    scaler = GradScaler("cpu")
+    scaler.get_scale()
+    before = sys.getrefcount(None)
+    for _ in range(1000):
+        scaler.get_scale()
+    assert abs(sys.getrefcount(None) - before) < 100

@@ -274,9 +274,11 @@ def _torchs_inverse(scale: torch.Tensor) -> torch.Tensor:
 def test_the_one_op_inverse_is_torchs_three_over_a_sweep_of_every_exponent() -> None:
     """``inverse_scale`` on a device (one float32 ``reciprocal``) against torch's float64 reciprocal rounded to
     float32: one positive finite float32 in 251 (every exponent, subnormals included; every one of the 2**31 was
-    checked once, the same way, when the one op replaced the three), in one vectorized pass."""
+    checked once when the one op replaced the three), through the kernel's scalar loop, the one a one-element scale
+    takes (a strided view is not vectorized)."""
     bits = torch.arange(1, 0x7F7F_FFFF + 1, 251, dtype=torch.int64).to(torch.int32)
-    values = bits.view(torch.float32)
+    values = torch.stack([bits, bits], dim=1)[:, 0].view(torch.float32)  # every other element: stride 2
+    assert values.stride() == (2,)
     assert torch.equal(values.reciprocal().view(torch.int32), _torchs_inverse(values).view(torch.int32))
 
 
@@ -288,15 +290,17 @@ def test_the_one_op_inverse_of_a_0d_scale_is_torchs(scale: float) -> None:
     assert torch.equal(inverse_scale(held, on_host=False).view(torch.int32), _torchs_inverse(held).view(torch.int32))
 
 
-@pytest.mark.parametrize("device_type", ["cpu", "elsewhere"])
+@pytest.mark.parametrize("device_type", ["cpu", "elsewhere", "rocm"])
 def test_the_inverse_is_one_op_where_division_rounds(device_type: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """One launch on CUDA and the CPU's device route; torch's three on a device type not known to round its
-    float32 division correctly."""
+    float32 division correctly, and on a ROCm build (its "cuda" is not checked)."""
     from gradscaler import rule
     from gradscaler.tools.bench_host import Counts
 
     if device_type == "elsewhere":
         monkeypatch.setattr(rule, "ROUNDED_DIVISION_DEVICES", ("cuda",))
+    if device_type == "rocm":
+        monkeypatch.setattr(torch.version, "hip", "6.4.0")
     held = torch.tensor(3.0)
     with Counts() as counts:
         inverse = inverse_scale(held, on_host=False)

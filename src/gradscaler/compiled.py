@@ -93,13 +93,12 @@ def _direct_when_eager(method: F, disabled: F) -> F:
     while Dynamo's frame callback is unset in this thread (no compiled code is running: the call comes
     from eager code), ``disabled`` otherwise (eager code that a compiled frame resumed after its break:
     the callback is set, and would compile the method's frames). Traced, it is ``disabled``: Dynamo reads
-    the same marks and breaks the graph at the call. Without the Dynamo internals this needs (another
-    torch), ``disabled`` itself."""
-    try:
-        from torch._C._dynamo.eval_frame import get_eval_frame_callback
-        from torch._dynamo.eval_frame import skip_code
-    except ImportError:
+    the same marks and breaks the graph at the call. Without the Dynamo internals this needs, ``disabled``
+    itself (``_callback_reader``)."""
+    get_eval_frame_callback = _callback_reader()
+    if get_eval_frame_callback is None:
         return disabled
+    from torch._dynamo.eval_frame import skip_code
 
     def eager(*args: Any, **kwargs: Any) -> Any:
         if get_eval_frame_callback() is None:
@@ -113,3 +112,22 @@ def _direct_when_eager(method: F, disabled: F) -> F:
             setattr(eager, mark, value)
     eager._torchdynamo_wrapper_id = id(eager)  # type: ignore[attr-defined]  # unwrapped to ``method``
     return eager  # type: ignore[return-value]
+
+
+FIRST_SOUND_READER = "2.8"
+"""The first torch whose ``get_eval_frame_callback`` returns a new reference: 2.6 and 2.7 return a borrowed one,
+and each call then takes one reference from the callback (None in an eager loop, freed after some 26,000 steps
+on Python 3.11; Dynamo's callback in a compiled one, a crash at the first step); 2.4 and 2.5 have no such
+function."""
+
+
+def _callback_reader() -> Callable[[], Any] | None:
+    """Dynamo's ``get_eval_frame_callback`` (this thread's frame callback), where torch has a sound one."""
+    if torch.torch_version.TorchVersion(torch.__version__) < FIRST_SOUND_READER:
+        return None
+    try:
+        from torch._C._dynamo.eval_frame import get_eval_frame_callback
+        from torch._dynamo.eval_frame import skip_code  # noqa: F401  # ``_direct_when_eager`` marks its frame
+    except ImportError:
+        return None
+    return get_eval_frame_callback  # type: ignore[no-any-return]

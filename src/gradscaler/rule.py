@@ -214,10 +214,12 @@ def _float32_toward(value: float, direction: int) -> float:
 
 
 ROUNDED_DIVISION_DEVICES = ("cuda", "cpu")
-"""Device types whose float32 ``reciprocal`` is a correctly rounded division (CUDA's ``1 / a`` as nvcc compiles
-it without fast math, torch's CPU kernels, scalar and vectorized). Rounded once to float32, ``1/S`` is the float64
-reciprocal rounded to float32, torch's three ops: rounding a quotient twice, through 53 bits then 24, gives the
-once-rounded result (53 >= 2 * 24 + 2). Checked for every positive finite float32 on the CPU, and on CUDA by
+"""Device types whose float32 ``reciprocal`` of a one-element tensor is a correctly rounded division: CUDA's
+``1 / a`` as nvcc compiles it without fast math (not ROCm's, which reports "cuda" and is not checked), the CPU
+kernel's scalar loop, which a one-element tensor always takes (some ARM SVE builds vectorize it as an estimate
+and Newton steps). Rounded once to float32, ``1/S`` is the float64 reciprocal rounded to float32, torch's three
+ops: rounding a quotient twice, through 53 bits then 24, gives the once-rounded result (53 >= 2 * 24 + 2), and
+flush-to-zero flushes both alike. Checked for every positive finite float32 on the CPU, and on CUDA by
 tests/test_cuda.py. Elsewhere (Metal computes in fast math by default) ``inverse_scale`` makes torch's three ops."""
 
 
@@ -229,7 +231,7 @@ def inverse_scale(scale: torch.Tensor, on_host: bool) -> torch.Tensor:
 
     if on_host:
         return torch.scalar_tensor(1.0 / scale.item(), dtype=torch.float32, device=scale.device)
-    if scale.device.type in ROUNDED_DIVISION_DEVICES:
+    if scale.device.type in ROUNDED_DIVISION_DEVICES and torch.version.hip is None:
         return scale.reciprocal()
     return scale.double().reciprocal().float()
 
