@@ -285,7 +285,7 @@ def test_the_one_op_inverse_is_torchs_three_over_a_sweep_of_every_exponent() -> 
 @settings(max_examples=300, deadline=None)
 @given(scale=st.floats(min_value=SCALE_FLOOR, max_value=FLOAT32_MAX, width=32))
 def test_the_one_op_inverse_of_a_0d_scale_is_torchs(scale: float) -> None:
-    """The scale is one element: the kernel's scalar loop, not the vectorized one the sweep above runs."""
+    """The scale itself, through ``inverse_scale``: one element, so the kernel's scalar loop, as in the sweep above."""
     held = torch.tensor(scale)
     assert torch.equal(inverse_scale(held, on_host=False).view(torch.int32), _torchs_inverse(held).view(torch.int32))
 

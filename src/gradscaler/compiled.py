@@ -94,11 +94,11 @@ def _direct_when_eager(method: F, disabled: F) -> F:
     from eager code), ``disabled`` otherwise (eager code that a compiled frame resumed after its break:
     the callback is set, and would compile the method's frames). Traced, it is ``disabled``: Dynamo reads
     the same marks and breaks the graph at the call. Without the Dynamo internals this needs, ``disabled``
-    itself (``_callback_reader``)."""
-    get_eval_frame_callback = _callback_reader()
-    if get_eval_frame_callback is None:
+    itself (``_dynamo_internals``)."""
+    internals = _dynamo_internals()
+    if internals is None:
         return disabled
-    from torch._dynamo.eval_frame import skip_code
+    get_eval_frame_callback, skip_code = internals
 
     def eager(*args: Any, **kwargs: Any) -> Any:
         if get_eval_frame_callback() is None:
@@ -121,13 +121,14 @@ on Python 3.11; Dynamo's callback in a compiled one, a crash at the first step);
 function."""
 
 
-def _callback_reader() -> Callable[[], Any] | None:
-    """Dynamo's ``get_eval_frame_callback`` (this thread's frame callback), where torch has a sound one."""
+def _dynamo_internals() -> tuple[Callable[[], Any], Callable[[Any], None]] | None:
+    """What ``_direct_when_eager`` needs of Dynamo, where torch has it sound: ``get_eval_frame_callback`` (this
+    thread's frame callback) and ``skip_code`` (a code object whose frames Dynamo runs as they are)."""
     if torch.torch_version.TorchVersion(torch.__version__) < FIRST_SOUND_READER:
         return None
     try:
         from torch._C._dynamo.eval_frame import get_eval_frame_callback
-        from torch._dynamo.eval_frame import skip_code  # noqa: F401  # ``_direct_when_eager`` marks its frame
+        from torch._dynamo.eval_frame import skip_code
     except ImportError:
         return None
-    return get_eval_frame_callback  # type: ignore[no-any-return]
+    return get_eval_frame_callback, skip_code
