@@ -232,9 +232,45 @@ def test_update_with_the_scale_held_on_the_host_matches_the_clamped_update(found
         s, tracker = torch.tensor(scale), torch.zeros((), dtype=torch.int32)
         hysteresis = torch.ones((), dtype=torch.int32)
         s.clamp_(policy.lower, policy.upper)
-        update_scale_(s, tracker, hysteresis, torch.tensor(found), policy, (s.item(), s.item()) if held else None)
+        steady = held and policy.steady[0] <= s.item() <= policy.steady[1]
+        update_scale_(s, tracker, hysteresis, torch.tensor(found), policy, steady)
         results.append(s.item())
     assert results[0] == results[1]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    scale=st.floats(min_value=SCALE_FLOOR, max_value=FLOAT32_MAX, width=32),
+    growth=st.one_of(st.sampled_from([2.0, 1.5, 1.0 + 2.0**-30]), st.floats(1.0, 1e3, exclude_min=True)),
+    backoff=st.one_of(st.sampled_from([0.5, 0.9]), st.floats(0.0, 1.0, exclude_min=True, exclude_max=True)),
+    bounds=st.sampled_from([(None, None), (1.0, 2.0**20), (2.0**-100, 3.0e38), (0.75, 0.75), (2.0**10, 2.0**12)]),
+    found=st.lists(st.sampled_from([0.0, 1.0]), max_size=12),
+    most=st.integers(0, 12),
+)
+def test_updates_within_the_steady_run_skip_the_clamp_and_change_nothing(
+    scale: float, growth: float, backoff: float, bounds: tuple, found: list[float], most: int
+) -> None:
+    """``steady_run``: the telemetry skips the clamp of the ``j``-th update after a scale it knows while
+    ``j <= steady_run(scale, most)``; those updates leave the same scales as updates that always clamp, and
+    the run is the longest (``most`` at the longest) whose growths and backoffs all stay in ``steady``."""
+    low, high = bounds
+    policy = ScaleRule(growth_factor=growth, backoff_factor=backoff, growth_interval=1, min_scale=low, max_scale=high)
+    known = policy.clamp(scale)
+    run = policy.steady_run(known, most)
+    lo, hi = policy.steady
+
+    def inside(k: int) -> bool:
+        return lo <= known * backoff**k and known * growth**k <= hi
+
+    assert -1 <= run <= most and all(inside(k) for k in range(run + 1))
+    assert run == most or not inside(run + 1)
+    runs = []
+    for skip in (False, True):
+        s, t = torch.tensor(known), torch.zeros((), dtype=torch.int32)
+        for j, flag in enumerate(found):
+            update_scale_(s, t, torch.ones((), dtype=torch.int32), torch.tensor(flag), policy, skip and j <= run)
+            runs.append((skip, j, s.item()))
+    assert [r[2] for r in runs if r[0]] == [r[2] for r in runs if not r[0]]
 
 
 _FLOAT32 = st.floats(min_value=SCALE_FLOOR, max_value=FLOAT32_MAX, width=32)

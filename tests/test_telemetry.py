@@ -157,7 +157,7 @@ def test_host_and_device_keepers_agree(
         for keeper in keepers:
             if before != last:
                 keeper.rebase()
-            kept = keeper.before(scale)
+            kept, _ = keeper.before(scale)
             keeper.record_(flag, kept, torch.full((), after), lower)
         last = after
         host, device_kept = (k.read() for k in keepers)
@@ -180,7 +180,7 @@ def test_device_keeper_lands_every_record_in_order_with_what_it_carries() -> Non
     keeper = make_telemetry(torch.device("cpu"), 4, [0] * len(COUNTERS), on_host=False)
     scale = torch.full((), 8.0)
     for step, found in enumerate([0.0, 1.0, 0.0]):
-        before = keeper.before(scale)
+        before, _ = keeper.before(scale)
         after = scale * (0.5 if found else 1.0)
         keeper.record_(torch.tensor(found), before, after, 1.0, tag=step, carry=torch.tensor([float(step)]))
         scale = after
@@ -199,7 +199,7 @@ def test_unread_records_are_bounded() -> None:
     keeper = make_telemetry(torch.device("cpu"), 4, [0] * len(COUNTERS), on_host=False)
     scale = torch.full((), 8.0)
     for step in range(IN_FLIGHT + 3):
-        keeper.record_(torch.tensor(0.0), keeper.before(scale), scale, 1.0, tag=step)
+        keeper.record_(torch.tensor(0.0), keeper.before(scale)[0], scale, 1.0, tag=step)
     assert [r.tag for r in keeper.landed(wait=True)] == list(range(3, IN_FLIGHT + 3))
     assert keeper.read()["skipped_steps"] == 0 and keeper.histories()[0] == [8.0] * 4  # every record counted
 
@@ -217,13 +217,13 @@ def test_a_record_whose_copy_fails_leaves_nothing_behind() -> None:
     keepers = [make_telemetry(torch.device("cpu"), 8, [0] * len(COUNTERS), on_host=False) for _ in range(2)]
     scale = torch.full((), 8.0)
     failing = keepers[0]
-    failing.record_(torch.tensor(1.0), failing.before(scale), scale, 1.0)
+    failing.record_(torch.tensor(1.0), failing.before(scale)[0], scale, 1.0)
     with pytest.raises(torch.OutOfMemoryError):
-        failing.record_(torch.tensor(1.0), failing.before(scale), scale.as_subclass(_CopyFails), 1.0)
-    keepers[1].record_(torch.tensor(1.0), keepers[1].before(scale), scale, 1.0)
+        failing.record_(torch.tensor(1.0), failing.before(scale)[0], scale.as_subclass(_CopyFails), 1.0)
+    keepers[1].record_(torch.tensor(1.0), keepers[1].before(scale)[0], scale, 1.0)
     for step in range(RECORDS_PER_COPY + 3):
         for keeper in keepers:
-            keeper.record_(torch.tensor(float(step % 3 == 0)), keeper.before(scale), scale, 1.0, tag=step)
+            keeper.record_(torch.tensor(float(step % 3 == 0)), keeper.before(scale)[0], scale, 1.0, tag=step)
     assert [r.tag for r in failing.landed(wait=True)] == [r.tag for r in keepers[1].landed(wait=True)]
     assert failing.read() == keepers[1].read() and failing.histories() == keepers[1].histories()
 
@@ -307,6 +307,39 @@ def test_a_device_whose_kernel_rounds_otherwise_copies_every_record() -> None:
     kept = []
     for device in ("cpu", "mps"):
         keeper = Telemetry(torch.device(device), 4, [0] * len(COUNTERS))
-        keeper.record_(torch.tensor(0.0), keeper.before(scale, tracker, ScaleRule()), scale, 1.0)
+        keeper.record_(torch.tensor(0.0), keeper.before(scale, tracker, ScaleRule())[0], scale, 1.0)
         kept.append(len(keeper._afters))  # the pending records' copied scales (one batch: not yet sent)
     assert kept == [0, 1]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    overflows=st.sets(st.integers(0, 3 * RECORDS_PER_COPY + 5), max_size=5),
+    interval=st.sampled_from([1, 2, 5, RECORDS_PER_COPY - 1, RECORDS_PER_COPY, RECORDS_PER_COPY + 1, 40, 2000]),
+    history=st.sampled_from([3, RECORDS_PER_COPY, 64]),
+    every=st.sampled_from([None, 1, 5]),
+    rebased_at=st.one_of(st.none(), st.integers(0, 3 * RECORDS_PER_COPY + 5)),
+)
+def test_the_device_keepers_computed_records_are_the_host_keepers(
+    overflows: set[int], interval: int, history: int, every: int | None, rebased_at: int | None
+) -> None:
+    """Runs of clean updates that grow no scale (a batch of them is accounted at once), growths, overflows, a
+    scale set between two updates, a logger: the device route's history, counters, scale and log are the ones the
+    host route reads each update."""
+    runs = []
+    for route in ("generic", "auto"):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("GRADSCALER_KERNEL", route)
+            scaler = GradScaler("cpu", init_scale=2.0**10, growth_interval=interval, history=history)
+            logged: list[dict] = []
+            if every is not None:
+                scaler.add_logger(logged.append, every=every)
+            param = nn.Parameter(torch.ones(2))
+            opt = torch.optim.SGD([param], lr=0.01)
+            for step in range(3 * RECORDS_PER_COPY + 6):
+                opt.zero_grad()
+                scaler.scale(param.sum() * (math.inf if step in overflows else 1.0)).backward()
+                scaler.step(opt)
+                scaler.update(2.0**12 if step == rebased_at else None)
+            runs.append((scaler.history(), scaler.stats(), scaler.get_scale(), logged))
+    assert runs[0] == runs[1]

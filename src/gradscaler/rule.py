@@ -171,6 +171,31 @@ class ScaleRule:
         """Scales from which one growth or backoff stays inside ``[lower, upper]`` (with a margin)."""
         return self._steady  # type: ignore[attr-defined,no-any-return]
 
+    def steady_run(self, scale: float, most: int) -> int:
+        """How many updates after ``scale`` leave the scale inside ``steady`` whatever they find: the largest
+        ``k <= most`` with ``scale * backoff_factor**k`` and ``scale * growth_factor**k`` both in ``steady``
+        (every scale ``k`` growths or backoffs can reach lies between them); -1 when ``scale`` is not in it.
+        A caller that knows the scale was ``scale`` at most ``k`` updates ago skips the clamp of the next."""
+        low, high = self.steady
+        backoff, growth = self.backoff_factor, self.growth_factor
+
+        def inside(k: int) -> bool:
+            try:
+                return low <= scale * backoff**k and scale * growth**k <= high
+            except OverflowError:
+                return False
+
+        if not inside(0):
+            return -1
+        # the logarithms give k within one or two; the products decide, as ``inside`` is monotonic in k
+        estimate = min(math.log(scale / low) / -math.log(backoff), math.log(high / scale) / math.log(growth))
+        k = int(min(estimate, most))
+        while k > 0 and not inside(k):
+            k -= 1
+        while k < most and inside(k + 1):
+            k += 1
+        return k
+
     def clamp(self, scale: float) -> float:
         """``scale`` (a finite number > 0) moved into ``[lower, upper]``."""
         return min(max(scale, self.lower), self.upper)
@@ -291,13 +316,13 @@ def update_scale_(
     hysteresis_tracker: torch.Tensor,
     found_inf: torch.Tensor,
     rule: ScaleRule,
-    span: tuple[float, float] | None = None,
+    steady: bool = False,
 ) -> None:
     """Apply one step of the rule in place. ``found_inf`` is a 0-d float tensor, nonzero on overflow.
 
-    All four tensors live on one device. Nothing is read back to the host. ``span``: the least and
-    greatest the scale can be now, when the caller knows (its telemetry); the clamp is then skipped
-    when neither factor can take any scale of the span out of bounds.
+    All four tensors live on one device. Nothing is read back to the host. ``steady``: the caller knows
+    the scale is inside ``rule.steady`` now (its telemetry: ``ScaleRule.steady_run``), from where neither
+    factor can leave the bounds: the clamp is skipped.
     """
     import torch
 
@@ -306,8 +331,7 @@ def update_scale_(
         torch._amp_update_scale_(
             scale, growth_tracker, found_inf, rule.growth_factor, rule.backoff_factor, rule.growth_interval
         )
-        low, high = rule.steady
-        if span is None or not low <= span[0] <= span[1] <= high:
+        if not steady:
             clamp_scale_(scale, rule)
         return
     update_scale_reference_(scale, growth_tracker, hysteresis_tracker, found_inf, rule)

@@ -406,11 +406,11 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         flags = [r["found_inf"] for r in records if "found_inf" in r]
         if not flags:
             raise AssertionError("No inf checks were recorded prior to update.")
-        found = grads.combine_flags(flags)
+        found = flags[0] if len(flags) == 1 else grads.combine_flags(flags)
         assert self._hysteresis_tracker is not None and self._telemetry is not None
-        before = self._telemetry.before(scale, growth_tracker, self._rule)  # a float when the scale is in host memory
-        span = self._telemetry.span(self._rule)  # where the scale can be now, when the host knows
-        rule.update_scale_(scale, growth_tracker, self._hysteresis_tracker, found, self._rule, span)
+        # ``before``: a float when the scale is in host memory; ``steady``: the update may skip its clamp
+        before, steady = self._telemetry.before(scale, growth_tracker, self._rule)
+        rule.update_scale_(scale, growth_tracker, self._hysteresis_tracker, found, self._rule, steady)
         tag, carry = self._monitor.record_update(records, found, self._rule)
         landed = self._telemetry.record_(found, before, scale, self._rule.lower, tag, carry)
         self._last_found_inf = found

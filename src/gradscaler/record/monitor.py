@@ -21,7 +21,7 @@ import math
 import os
 import uuid
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -98,12 +98,17 @@ class Monitor:
         self.named_modules: list[weakref.ReferenceType[torch.nn.Module]] = []  # given whole
         self.stands_for = stands_for  # a tensor the optimizer steps -> the model parameter it stands for
         self.grad_norms: WeakById[list[NormRecord]] = WeakById()  # by optimizer
-        self.last_optimizers: list[OptimizerRef] = []
+        self._last_records: Sequence[Mapping[str, Any]] = []  # the last update's per-optimizer records
         self._collapse_reported_at = -1
         self._reads: dict[int, list[NormRecord]] = {}  # this iteration's per-tensor results, by optimizer
         self._norm: torch.Tensor | None = None  # this iteration's last clipping norm
         self._policies: dict[int, ScaleRule] = {}  # the policy each logger (by position) was last sent
         self._on_host: bool | None = None  # whether the scale's device reads for free (see kernels)
+
+    @property
+    def last_optimizers(self) -> list[OptimizerRef]:
+        """The optimizers the last update's records name (weak references), read from the records when asked."""
+        return [r["optimizer"] for r in self._last_records if "optimizer" in r]
 
     @property
     def wants_counters(self) -> bool:
@@ -173,7 +178,7 @@ class Monitor:
         return flags
 
     def record_update(
-        self, records: Iterable[Mapping[str, Any]], found: torch.Tensor, rule: ScaleRule
+        self, records: Sequence[Mapping[str, Any]], found: torch.Tensor, rule: ScaleRule
     ) -> tuple[_Tag | None, torch.Tensor | None]:
         """Count one completed update (``found``: its overflow flag) and remember the optimizers of its
         per-optimizer ``records`` (their ``"optimizer"`` weak references).
@@ -183,11 +188,14 @@ class Monitor:
         """
         if self.steps < INT64_MAX:  # saturates: a state dict keeps a loadable count after any number of steps
             self.steps += 1
-        self.last_optimizers = optimizers = [r["optimizer"] for r in records if "optimizer" in r]
+        self._last_records = records  # kept, not copied: the scaler starts a new list at each update
         reads, norm, clipped = self._reads, self._norm, self._norm is not None
-        self._reads, self._norm = {}, None
+        if reads:
+            self._reads = {}
+        self._norm = None
         if not self.loggers or not any(self.steps % every == 0 for _, every in self.loggers):
             return None, None
+        optimizers = self.last_optimizers
         if self._on_host is None:  # the flag's device never changes: ask once (an environment read)
             self._on_host = host_reads_free(found.device)
         on_host = self._on_host
@@ -325,13 +333,15 @@ class Monitor:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(loggers=[], param_names=None, grad_norms=None, last_optimizers=[], _reads={}, _norm=None)
+        state.update(loggers=[], param_names=None, grad_norms=None, _last_records=[], _reads={}, _norm=None)
         state.update(named_modules=[])
         state.update(_policies={}, _on_host=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        state = {k: v for k, v in state.items() if k != "last_optimizers"}  # older pickles: now read from the records
         self.__dict__.update(state, param_names=WeakIdKeyDictionary(), grad_norms=WeakById(), named_modules=[])
+        self.__dict__.setdefault("_last_records", [])
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Monitor:
         """A copy that keeps loggers (the same callbacks) and parameter names, unlike a pickle."""
@@ -341,7 +351,7 @@ class Monitor:
         new.named_modules = list(self.named_modules)
         new.stands_for = copy.deepcopy(self.stands_for, memo)  # the copied scaler's masters
         new.grad_norms = WeakById()
-        new.last_optimizers = []
+        new._last_records = []
         new._reads, new._norm, new._policies = {}, None, dict(self._policies)
         return new
 

@@ -66,10 +66,11 @@ class Landed(NamedTuple):
 class Keeper(Protocol):
     """What the scaler asks of a telemetry keeper."""
 
-    def before(self, scale: torch.Tensor, tracker: torch.Tensor | None = None, rule: Any = None) -> Any: ...
+    def before(
+        self, scale: torch.Tensor, tracker: torch.Tensor | None = None, rule: Any = None
+    ) -> tuple[Any, bool]: ...
     def rebase(self) -> None: ...
     def copy_every(self, records: int) -> None: ...
-    def span(self, rule: Any) -> tuple[float, float] | None: ...
     def record_(
         self,
         found: torch.Tensor,
@@ -145,7 +146,8 @@ class Telemetry:
         self._last_after: float | None = None  # the scale after the last accounted record
         self._rebased = True  # the next record's before is a copy of the scale (none before it yet)
         self._made = self._accounted = self._rebased_at = 0  # records made, accounted; made at the last rebase
-        self._rule: Any = None  # the rule of the last span
+        self._rule: Any = None  # the rule ``before`` was last given
+        self._steady_upto = -1  # while at most this many records are made, the scale is inside the rule's steady
         # allocated now: a buffer made during a capture would be filled by each replay, not before
         self._ring = _Ring(device, history) if device.type == "cuda" else None
         self._captured = False  # a captured update writes into the ring
@@ -153,22 +155,30 @@ class Telemetry:
     def _capturing(self) -> bool:
         return self._ring is not None and torch.cuda.is_current_stream_capturing()
 
-    def before(self, scale: torch.Tensor, tracker: torch.Tensor | None = None, rule: Any = None) -> torch.Tensor | None:
+    def before(
+        self, scale: torch.Tensor, tracker: torch.Tensor | None = None, rule: Any = None
+    ) -> tuple[torch.Tensor | None, bool]:
         """Called before the update that the next ``record_`` records. With ``tracker`` (the growth tracker) and
         a ``rule`` that ``matches_torch_kernel``, that record's scale after is computed on the host, not copied.
-        Returns the scale as it is now when the previous record's after is not it (a device copy), else None."""
+        Returns the scale as it is now when the previous record's after is not it (a device copy), else None;
+        and whether the scale is inside ``rule.steady`` for certain (``ScaleRule.steady_run`` from the last
+        accounted record's scale, counting the updates made since), so that the update may skip its clamp:
+        never under a rule other than the one the accounted records were made under, nor after a capture."""
         if self._capturing():
-            return None
+            return None, False
         if self._awaiting:  # the last update moved the scale and made no record (its bookkeeping raised)
             self.rebase()
         self._awaiting = True
+        if rule is not self._rule:  # a new rule object (a setter, a load): its records count from now
+            self._rule, self._rebased_at, self._steady_upto = rule, self._made, -1
+        steady = self._made <= self._steady_upto
         # after a capture the graph's replays move the scale and tracker unseen: copied from then on
         known = tracker is not None and rule is not None and self._computes and not self._captured
         computed = rule if known and rule.matches_torch_kernel else None
         self._rule_now = computed
         copy_tracker = computed is not None and not self._chained
         if not (self._rebased or copy_tracker):
-            return None
+            return None, steady
         self._flush()  # a batch starts at a copied before
         if copy_tracker:
             assert tracker is not None
@@ -177,35 +187,20 @@ class Telemetry:
             self._chained = True
         copied = scale.clone() if self._rebased else None
         self._rebased = False
-        return copied
+        return copied, steady
 
     def rebase(self) -> None:
         """The scale or the growth tracker was set outside the rule (``update(new_scale)``, a load, a new
         growth interval): the next record copies the scale, and the tracker when it is computed."""
         self._rebased = True
         self._chained = False
-        self._rebased_at = self._made
+        self._rebased_at, self._steady_upto = self._made, -1
 
     def copy_every(self, records: int) -> None:
         """Carry records to the host ``records`` at a time (1 with a logger: each lands a step later)."""
         self._per_copy = records
         if len(self._notes) >= records:
             self._flush()
-
-    def span(self, rule: Any) -> tuple[float, float] | None:
-        """The least and greatest the scale can be now, from the last accounted record's scale and the
-        updates made since (each a growth or a backoff of ``rule`` at most); None when unknown, or when
-        the rule changed since a record that landed was made."""
-        if rule is not self._rule:
-            self._rule, self._rebased_at = rule, self._made
-        growth, backoff = rule.growth_factor, rule.backoff_factor
-        if self._accounted <= self._rebased_at or self._last_after is None or self._captured or self._capturing():
-            return None  # no record since the scale was set is on the host; a captured update replays from any scale
-        unseen = self._made - self._accounted
-        try:
-            return self._last_after * backoff**unseen, self._last_after * growth**unseen
-        except OverflowError:
-            return None
 
     def record_(
         self,
@@ -225,6 +220,7 @@ class Telemetry:
             assert self._ring is not None
             self._ring.write_(found, after)  # the records pending stay so, to be copied after the capture
             self._ring.lower, self._captured, self._chained = lower, True, False  # a replay moves the tracker
+            self._steady_upto = -1  # a replay moves the scale unseen
             return False
         if before is not None:
             self._first_before = before
@@ -239,7 +235,7 @@ class Telemetry:
         if kept is not None:
             self._afters.append(kept)
             self._chained = False
-        self._notes.append(_Note(lower, tag, carried, rule))
+        self._notes.append((lower, tag, carried, rule))
         self._made += 1
         self._awaiting = False
         if flush:  # the scale now is this record's after: a batch of computed records takes it along to check
@@ -279,6 +275,27 @@ class Telemetry:
     def _drain_all(self) -> None:
         self._flush()
         self._drain(wait=True)
+
+    @staticmethod
+    def _clean_run(batch: _Batch, flags: list[float], tracker: int | None) -> bool:
+        """Whether every record of ``batch`` is computed under one rule, carries nothing, is clean (``flags``) and
+        grows no scale (the growth tracker before them, known, stays below the interval): each then leaves the
+        scale as it was, and the host accounts them together."""
+        notes = batch.records
+        first = notes[0]
+        _, tag, carried, rule = first
+        if batch.copied or tag is not None or carried is not None or rule is None or tracker is None:
+            return False
+        count = len(notes)
+        return 0 <= tracker < tracker + count < rule.growth_interval and not any(flags) and notes.count(first) == count
+
+    def _steady_limit(self) -> int:
+        """The most records made up to which the scale stays inside the rule's steady (``before``): counted from the
+        last accounted record when one made under the current rule is, not after a capture; else -1."""
+        rule, last = self._rule, self._last_after
+        if rule is None or last is None or self._accounted <= self._rebased_at or self._captured:
+            return -1
+        return self._accounted + rule.steady_run(last, 2 * IN_FLIGHT)
 
     def _flush(self, check: torch.Tensor | None = None) -> None:
         """Start the copy of the pending records: one stack, one non-blocking copy (a lone flag: the copy alone);
@@ -321,19 +338,27 @@ class Telemetry:
             tracker = self._tracker if batch.tracker is None else batch.tracker.tolist()[0]  # host memory
             copied = iter(values[count : count + batch.copied])
             account, landed = self._host.account, self._landed
-            for found, note in zip(values[:count], batch.records, strict=True):
-                if note.rule is None:
-                    after, tracker = next(copied), None
-                else:  # a computed record follows a copied one only where ``before`` copied the tracker
-                    assert tracker is not None, "a computed record starts where the tracker is known"
-                    after, tracker = note.rule.next_on_host(before, tracker, found != 0)
-                landed.append(account(found != 0, before, after, note.lower, note.tag, note.carried))
-                before = after
+            clean = self._clean_run(batch, values[:count], tracker)
+            quiet = self._host.account_quiet(before, count) if clean else None
+            if quiet is not None:  # every record of the batch leaves the scale and the counters as they were
+                assert tracker is not None
+                landed.extend([quiet] * count)
+                tracker += count
+            else:
+                for found, (lower, tag, carried, rule) in zip(values[:count], batch.records, strict=True):
+                    if rule is None:
+                        after, tracker = next(copied), None
+                    else:  # a computed record follows a copied one only where ``before`` copied the tracker
+                        assert tracker is not None, "a computed record starts where the tracker is known"
+                        after, tracker = rule.next_on_host(before, tracker, found != 0)
+                    landed.append(account(found != 0, before, after, lower, tag, carried))
+                    before = after
             if batch.checked and values[given - 1] != before:  # a write outside the rule since the last copy
                 before = values[given - 1]
                 self.rebase()  # the next update copies the scale and the tracker again
             self._last_after, self._tracker = before, tracker
             self._accounted += count
+            self._steady_upto = self._steady_limit()
         if wait and self._captured:
             assert self._ring is not None
             for found, after in self._ring.read():
@@ -343,14 +368,9 @@ class Telemetry:
             self._tracker = None  # computed records stopped at the capture: none follows it
 
 
-class _Note(NamedTuple):
-    """What the host keeps of one record made: the rule's floor, the caller's tag and carried tensor, and the
-    rule that computes its scale after (None: the scale was copied)."""
-
-    lower: float
-    tag: Any
-    carried: torch.Tensor | None
-    rule: Any
+_Note = tuple[float, Any, "torch.Tensor | None", Any]
+"""What the host keeps of one record made: the rule's floor, the caller's tag and carried tensor, and the rule that
+computes its scale after (None: the scale was copied). A plain tuple: one is made at every update."""
 
 
 class _Batch(NamedTuple):
@@ -405,24 +425,22 @@ class HostTelemetry:
         self._counters: list[int] = []
         self._landed: dict[str, Any] = {}
         self._last: Landed | None = None
-        self._now: float | None = None  # the scale the last ``before`` read
         self._running = False  # a counter of consecutive events is above 0
         self.load(counters)
 
-    def before(self, scale: torch.Tensor, tracker: torch.Tensor | None = None, rule: Any = None) -> float:
-        """The scale as it is now, to pass to ``record_`` after the update."""
-        self._now = scale.item()
-        return self._now
+    def before(self, scale: torch.Tensor, tracker: torch.Tensor | None = None, rule: Any = None) -> tuple[float, bool]:
+        """The scale as it is now, to pass to ``record_`` after the update, and whether it is inside ``rule.steady``."""
+        now = scale.item()
+        if rule is None:
+            return now, False
+        low, high = rule.steady
+        return now, low <= now <= high
 
     def rebase(self) -> None:
         """Nothing to do: every record reads its scale before."""
 
     def copy_every(self, records: int) -> None:
         """Nothing to do: every record is on the host at once."""
-
-    def span(self, rule: Any) -> tuple[float, float] | None:
-        """The scale as the last ``before`` read it (both ends)."""
-        return None if self._now is None else (self._now, self._now)
 
     def record_(
         self,
@@ -453,6 +471,18 @@ class HostTelemetry:
         self._scales[slot], self._skipped[slot] = now, skipped
         self._records += 1
         return Landed(self._landed, skipped, now != before, tag, carry)
+
+    def account_quiet(self, scale: float, count: int) -> Landed | None:
+        """``account`` of ``count`` clean records in a row, each leaving ``scale`` as it was, when none of them
+        moves a counter (no run to reset, ``scale`` the one last published): the ring written, and the one record
+        they all share returned; None otherwise (``account`` them one by one)."""
+        if self._running or scale != self._landed["scale"]:
+            return None
+        history, scales, skipped = self.history, self._scales, self._skipped
+        for slot in range(self._records, self._records + count):
+            scales[slot % history], skipped[slot % history] = scale, False
+        self._records += count
+        return Landed(self._landed, False, False, None, None)
 
     def landed(self, wait: bool = False) -> list[Landed]:
         """The last record, once (nothing to wait for on the host); its counters dict is shared between calls."""
