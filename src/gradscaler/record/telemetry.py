@@ -148,6 +148,7 @@ class Telemetry:
         self._made = self._accounted = self._rebased_at = 0  # records made, accounted; made at the last rebase
         self._rule: Any = None  # the rule ``before`` was last given
         self._steady_upto = -1  # while at most this many records are made, the scale is inside the rule's steady
+        self._steady_run: tuple[Any, float, int] = (None, math.nan, -1)  # rule, scale, its steady_run: asked again
         # allocated now: a buffer made during a capture would be filled by each replay, not before
         self._ring = _Ring(device, history) if device.type == "cuda" else None
         self._captured = False  # a captured update writes into the ring
@@ -295,7 +296,11 @@ class Telemetry:
         rule, last = self._rule, self._last_after
         if rule is None or last is None or self._accounted <= self._rebased_at or self._captured:
             return -1
-        return self._accounted + rule.steady_run(last, 2 * IN_FLIGHT)
+        known_rule, known_scale, run = self._steady_run
+        if known_rule is not rule or known_scale != last:  # else as last time: most batches leave the scale as it was
+            run = rule.steady_run(last, 2 * IN_FLIGHT)
+            self._steady_run = (rule, last, run)
+        return self._accounted + run
 
     def _flush(self, check: torch.Tensor | None = None) -> None:
         """Start the copy of the pending records: one stack, one non-blocking copy (a lone flag: the copy alone);
