@@ -173,22 +173,26 @@ class ScaleRule:
 
     def steady_run(self, scale: float, most: int) -> int:
         """How many updates after ``scale`` leave the scale inside ``steady`` whatever they find: the largest
-        ``k <= most`` with ``scale * backoff_factor**k`` and ``scale * growth_factor**k`` both in ``steady``
-        (every scale ``k`` growths or backoffs can reach lies between them); -1 when ``scale`` is not in it.
-        A caller that knows the scale was ``scale`` at most ``k`` updates ago skips the clamp of the next."""
+        ``k <= most`` whose every reachable scale is in ``steady``; -1 when ``scale`` is not in it. A caller
+        that knows the scale was ``scale`` at most ``k`` updates ago skips the clamp of the next.
+
+        Each update multiplies the scale by 1, or by a factor and rounds the product to float32 (a relative
+        error under ``2**-24``): after ``k`` of them it lies between ``scale * (backoff * (1 - 2**-23))**k``
+        and ``scale * (growth * (1 + 2**-23))**k``, both of which must be in ``steady``. (``steady``'s own
+        margin is for one rounding: that of the update whose clamp is skipped.)"""
         low, high = self.steady
-        backoff, growth = self.backoff_factor, self.growth_factor
+        shrink, grow = self.backoff_factor * (1.0 - 2.0**-23), self.growth_factor * (1.0 + 2.0**-23)
 
         def inside(k: int) -> bool:
             try:
-                return low <= scale * backoff**k and scale * growth**k <= high
+                return low <= scale * shrink**k and scale * grow**k <= high
             except OverflowError:
                 return False
 
         if not inside(0):
             return -1
         # the logarithms give k within one or two; the products decide, as ``inside`` is monotonic in k
-        estimate = min(math.log(scale / low) / -math.log(backoff), math.log(high / scale) / math.log(growth))
+        estimate = min(math.log(scale / low) / -math.log(shrink), math.log(high / scale) / math.log(grow))
         k = int(min(estimate, most))
         while k > 0 and not inside(k):
             k -= 1
@@ -316,6 +320,7 @@ def update_scale_(
     hysteresis_tracker: torch.Tensor,
     found_inf: torch.Tensor,
     rule: ScaleRule,
+    *,
     steady: bool = False,
 ) -> None:
     """Apply one step of the rule in place. ``found_inf`` is a 0-d float tensor, nonzero on overflow.

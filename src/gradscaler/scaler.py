@@ -410,7 +410,7 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         assert self._hysteresis_tracker is not None and self._telemetry is not None
         # ``before``: a float when the scale is in host memory; ``steady``: the update may skip its clamp
         before, steady = self._telemetry.before(scale, growth_tracker, self._rule)
-        rule.update_scale_(scale, growth_tracker, self._hysteresis_tracker, found, self._rule, steady)
+        rule.update_scale_(scale, growth_tracker, self._hysteresis_tracker, found, self._rule, steady=steady)
         tag, carry = self._monitor.record_update(records, found, self._rule)
         landed = self._telemetry.record_(found, before, scale, self._rule.lower, tag, carry)
         self._last_found_inf = found

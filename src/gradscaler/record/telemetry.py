@@ -35,6 +35,9 @@ IN_FLIGHT = 1024
 also waits for its oldest copy rather than run this many updates ahead of the device."""
 RECORDS_PER_COPY = 16
 """Records ``Telemetry`` carries to the host in one copy: two device ops per this many updates."""
+MOST_UNSEEN = IN_FLIGHT + 2 * RECORDS_PER_COPY
+"""More records than are ever made and not yet accounted (at most ``IN_FLIGHT // RECORDS_PER_COPY + 1`` batches in
+flight before the host waits for one, and the pending batch): the longest steady run ``Telemetry`` asks for."""
 KERNEL_DEVICES = ("cuda", "cpu")
 """Device types whose ``_amp_update_scale_`` computes what ``ScaleRule.next_on_host`` does (each product in float64,
 ``==`` with the interval, no growth to inf): ``Telemetry`` computes their records' scales. Elsewhere (MPS's kernel
@@ -148,7 +151,7 @@ class Telemetry:
         self._made = self._accounted = self._rebased_at = 0  # records made, accounted; made at the last rebase
         self._rule: Any = None  # the rule ``before`` was last given
         self._steady_upto = -1  # while at most this many records are made, the scale is inside the rule's steady
-        self._steady_run: tuple[Any, float, int] = (None, math.nan, -1)  # rule, scale, its steady_run: asked again
+        self._steady_run: tuple[Any, float, int] = (None, math.nan, -1)  # the last asked: rule, scale, answer
         # allocated now: a buffer made during a capture would be filled by each replay, not before
         self._ring = _Ring(device, history) if device.type == "cuda" else None
         self._captured = False  # a captured update writes into the ring
@@ -298,7 +301,7 @@ class Telemetry:
             return -1
         known_rule, known_scale, run = self._steady_run
         if known_rule is not rule or known_scale != last:  # else as last time: most batches leave the scale as it was
-            run = rule.steady_run(last, 2 * IN_FLIGHT)
+            run = rule.steady_run(last, MOST_UNSEEN)
             self._steady_run = (rule, last, run)
         return self._accounted + run
 
