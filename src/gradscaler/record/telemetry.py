@@ -286,8 +286,7 @@ class Telemetry:
         grows no scale (the growth tracker before them, known, stays below the interval): each then leaves the
         scale as it was, and the host accounts them together."""
         notes = batch.records
-        first = notes[0]
-        _, tag, carried, rule = first
+        _, tag, carried, rule = first = notes[0]
         if batch.copied or tag is not None or carried is not None or rule is None or tracker is None:
             return False
         count = len(notes)
@@ -346,8 +345,7 @@ class Telemetry:
             tracker = self._tracker if batch.tracker is None else batch.tracker.tolist()[0]  # host memory
             copied = iter(values[count : count + batch.copied])
             account, landed = self._host.account, self._landed
-            clean = self._clean_run(batch, values[:count], tracker)
-            quiet = self._host.account_quiet(before, count) if clean else None
+            quiet = self._host.account_quiet(before, count) if self._clean_run(batch, values[:count], tracker) else None
             if quiet is not None:  # every record of the batch leaves the scale and the counters as they were
                 assert tracker is not None
                 landed.extend([quiet] * count)
