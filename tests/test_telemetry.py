@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from gradscaler import GradScaler, JsonLinesLogger
-from gradscaler.record.telemetry import COUNTERS, IN_FLIGHT, RECORDS_PER_COPY, SATURATE, make_telemetry
+from gradscaler.record.telemetry import COUNTERS, IN_FLIGHT, RECORDS_PER_COPY, SATURATE, Telemetry, make_telemetry
 
 
 def steps(
@@ -343,3 +343,65 @@ def test_the_device_keepers_computed_records_are_the_host_keepers(
                 scaler.update(2.0**12 if step == rebased_at else None)
             runs.append((scaler.history(), scaler.stats(), scaler.get_scale(), logged))
     assert runs[0] == runs[1]
+
+
+class _LateEvent:
+    """A batch's copy event that says it landed only after ``lag`` queries: a GPU running behind the host."""
+
+    def __init__(self, lag: int) -> None:
+        self.lag = lag
+
+    def query(self) -> bool:
+        self.lag -= 1
+        return self.lag < 0
+
+    def synchronize(self) -> None:
+        self.lag = 0
+
+
+@pytest.mark.parametrize(
+    ("factors", "init", "bounds", "overflow"),
+    [
+        ((2.0, 0.5), 2.0**10, (2.0**8, 2.0**12), lambda step: step % 5 in (1, 2)),  # bounds a few updates away
+        ((2.0, 1.0 - 1.4 * 2.0**-24), 1.0 + 2.0**-16, (1.0, None), lambda step: True),  # backoffs drift to min_scale
+        ((1.0 + 1.4 * 2.0**-23, 0.5), 2.0**20 - 24.0, (None, 2.0**20), lambda step: False),  # growths to max_scale
+    ],
+)
+@pytest.mark.parametrize("lag", [3, 70])
+def test_records_landing_late_skip_no_clamp_a_bound_needs(
+    factors: tuple, init: float, bounds: tuple, overflow: Callable[[int], bool], lag: int
+) -> None:
+    """On CUDA the host runs ahead of the records that have landed (up to a thousand updates): the device keeper
+    skips an update's clamp only while the scale, unseen since the last landed record, cannot have reached a bound,
+    each unseen update counted with its float32 rounding. Copies landing ``lag`` updates late (a CPU run cannot
+    make them), the scales and records are the host keeper's, which reads the scale at every update."""
+    growth, backoff = factors
+    real = Telemetry._flush
+
+    def late(keeper: Telemetry, check: torch.Tensor | None = None) -> None:
+        before = len(keeper._in_flight)
+        real(keeper, check)
+        if len(keeper._in_flight) > before:  # a batch was sent
+            keeper._in_flight[-1] = keeper._in_flight[-1]._replace(event=_LateEvent(lag))
+
+    runs = []
+    for route in ("generic", "auto"):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("GRADSCALER_KERNEL", route)
+            patch.setattr(Telemetry, "_flush", late)  # the host keeper (auto) sends no batch
+            scaler = GradScaler(
+                "cpu", init_scale=init, growth_factor=growth, backoff_factor=backoff, growth_interval=1,
+                min_scale=bounds[0], max_scale=bounds[1], history=256, collapse_patience=None,
+            )  # fmt: skip
+            param = nn.Parameter(torch.ones(2))
+            opt = torch.optim.SGD([param], lr=0.01)
+            held = []  # the scale the device holds after each update (a read of the tensor: no telemetry)
+            for step in range(200):
+                opt.zero_grad()
+                scaler.scale(param.sum() * (math.inf if overflow(step) else 1.0)).backward()
+                scaler.step(opt)
+                scaler.update()
+                held.append(scaler.get_scale())
+            runs.append((held, scaler.history(), scaler.stats()))
+    assert runs[0] == runs[1]
+    assert all((bounds[0] or 0.0) <= scale <= (bounds[1] or math.inf) for scale in runs[0][0])
