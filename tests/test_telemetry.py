@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -262,10 +263,11 @@ def _raises(*args: object, **kwargs: object) -> None:
     raise torch.OutOfMemoryError("no memory for the record")
 
 
-def _scaler_and_step(history: int) -> tuple[GradScaler, Callable[[bool], None]]:
-    """A scaler growing every 3 clean steps over one parameter, and its iteration up to ``update()``: zero_grad,
-    the scaled backward (an inf loss when ``overflow``), the step."""
-    scaler = GradScaler("cpu", init_scale=4.0, growth_interval=3, history=history, collapse_patience=None)
+def _scaler_and_step(history: int, **options: Any) -> tuple[GradScaler, Callable[[bool], None]]:
+    """A scaler growing every 3 clean steps over one parameter (or as ``options`` say), and its iteration up to
+    ``update()``: zero_grad, the scaled backward (an inf loss when ``overflow``), the step."""
+    options = {"init_scale": 4.0, "growth_interval": 3, "collapse_patience": None, **options}
+    scaler = GradScaler("cpu", history=history, **options)
     param = nn.Parameter(torch.ones(2))
     opt = torch.optim.SGD([param], lr=0.01)
 
@@ -330,16 +332,12 @@ def test_the_device_keepers_computed_records_are_the_host_keepers(
     for route in ("generic", "auto"):
         with pytest.MonkeyPatch.context() as patch:
             patch.setenv("GRADSCALER_KERNEL", route)
-            scaler = GradScaler("cpu", init_scale=2.0**10, growth_interval=interval, history=history)
+            scaler, backward_and_step = _scaler_and_step(history, init_scale=2.0**10, growth_interval=interval)
             logged: list[dict] = []
             if every is not None:
                 scaler.add_logger(logged.append, every=every)
-            param = nn.Parameter(torch.ones(2))
-            opt = torch.optim.SGD([param], lr=0.01)
             for step in range(3 * RECORDS_PER_COPY + 6):
-                opt.zero_grad()
-                scaler.scale(param.sum() * (math.inf if step in overflows else 1.0)).backward()
-                scaler.step(opt)
+                backward_and_step(step in overflows)
                 scaler.update(2.0**12 if step == rebased_at else None)
             runs.append((scaler.history(), scaler.stats(), scaler.get_scale(), logged))
     assert runs[0] == runs[1]
@@ -389,17 +387,13 @@ def test_records_landing_late_skip_no_clamp_a_bound_needs(
         with pytest.MonkeyPatch.context() as patch:
             patch.setenv("GRADSCALER_KERNEL", route)
             patch.setattr(Telemetry, "_flush", late)  # the host keeper (auto) sends no batch
-            scaler = GradScaler(
-                "cpu", init_scale=init, growth_factor=growth, backoff_factor=backoff, growth_interval=1,
-                min_scale=bounds[0], max_scale=bounds[1], history=256, collapse_patience=None,
+            scaler, backward_and_step = _scaler_and_step(
+                256, init_scale=init, growth_factor=growth, backoff_factor=backoff, growth_interval=1,
+                min_scale=bounds[0], max_scale=bounds[1],
             )  # fmt: skip
-            param = nn.Parameter(torch.ones(2))
-            opt = torch.optim.SGD([param], lr=0.01)
             held = []  # the scale the device holds after each update (a read of the tensor: no telemetry)
             for step in range(200):
-                opt.zero_grad()
-                scaler.scale(param.sum() * (math.inf if overflow(step) else 1.0)).backward()
-                scaler.step(opt)
+                backward_and_step(overflow(step))
                 scaler.update()
                 held.append(scaler.get_scale())
             runs.append((held, scaler.history(), scaler.stats()))

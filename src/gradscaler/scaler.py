@@ -406,7 +406,7 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         flags = [r["found_inf"] for r in records if "found_inf" in r]
         if not flags:
             raise AssertionError("No inf checks were recorded prior to update.")
-        found = flags[0] if len(flags) == 1 else grads.combine_flags(flags)
+        found = grads.combine_flags(flags)  # a single flag as it is
         assert self._hysteresis_tracker is not None and self._telemetry is not None
         # ``before``: a float when the scale is in host memory; ``steady``: the update may skip its clamp
         before, steady = self._telemetry.before(scale, growth_tracker, self._rule)
