@@ -131,8 +131,8 @@ class WeakById(Generic[V]):
         return [value for ref, value in list(self._data.values()) if ref() is not None]
 
 
-GRAD = operator.attrgetter("grad")
-"""``GRAD(p)`` is ``p.grad``; ``map(GRAD, params)`` reads every gradient at C speed."""
+GRAD, DTYPE = operator.attrgetter("grad"), operator.attrgetter("dtype")
+"""``GRAD(p)`` is ``p.grad``; ``map(GRAD, params)`` reads every gradient at C speed (``DTYPE``: every dtype)."""
 
 
 def group_grads(params: Sequence[torch.Tensor], *, allow_fp16: bool, owners: GradGroups | None = None) -> GradGroups:

@@ -190,7 +190,7 @@ class MasterWeights:
         with NoGrad():
             for pair in binding.written():  # a model load, an edit, weights copied in since the last step
                 pair.refresh()
-            held = [low.grad for low in binding.lows()]
+            held = list(map(grads.GRAD, binding.lows()))
             src = [grad for grad in held if grad is not None]
             if len(src) == len(held):  # every parameter has a gradient: no loop over the pairs
                 moving = list(zip(binding.pairs, src, strict=True))
@@ -278,7 +278,7 @@ class MasterWeights:
         # the float32 buffers before the parameters' gradients are dropped: running out of memory leaves them
         moves = [(src, owners, grad_buffers(owners, src)) for src, owners in batches.values()]
         binding.after_move(moving, keep)
-        binding.routed = open_routes(opened, binding.pairs, binding.keys, binding.routed)
+        binding.routed = open_routes(opened, binding.pairs, binding.keys, binding.lows(), binding.routed)
         for src, owners, dst in moves:
             result.add(owners, dst, move_grads_(src, dst, factor, norm_type, norm_inv))
         return result

@@ -12,6 +12,8 @@ from gradscaler import grads
 from gradscaler.kernels import GradStats, grad_stats, moved
 from gradscaler.masters.checks import LOW_PRECISION
 
+_LAYOUT = operator.attrgetter("layout")
+
 
 @dataclass
 class Moved:
@@ -98,9 +100,9 @@ def movable(grad: torch.Tensor) -> bool:
 def one_batch(moving: list[torch.Tensor]) -> bool:
     """Whether the gradients ``moving`` are all plain contiguous tensors of one device and one dtype,
     float16 or bfloat16 (each ``movable``, all in one batch), asked of the whole list at once."""
-    if not moving or set(map(type, moving)) != {torch.Tensor}:
+    if not moving or set(map(type, moving)) != {torch.Tensor} or set(map(_LAYOUT, moving)) != {torch.strided}:
         return False
-    if not all([grad.layout is torch.strided and grad.is_contiguous() for grad in moving]):  # a list: no generator
+    if not all(map(torch.Tensor.is_contiguous, moving)):  # one C-level pass, no bytecode per gradient
         return False
     kinds = torch._C._group_tensors_by_device_and_dtype([moving], False)  # type: ignore[list-item]
     return len(kinds) == 1 and next(iter(kinds))[1] in LOW_PRECISION

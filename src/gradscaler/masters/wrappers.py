@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import itertools
+import operator
 import sys
 import weakref
 from collections.abc import Callable, Iterable
@@ -19,7 +21,7 @@ from typing import Any
 
 import torch
 
-from gradscaler import compiled
+from gradscaler import compiled, grads
 from gradscaler.masters import zeroing
 from gradscaler.masters.checks import LOW_PRECISION, PARAM_ATTR
 
@@ -72,19 +74,22 @@ def _make(key: int, master: torch.Tensor) -> None:
         _CHANGES[0] += 1
 
 
-def open_routes(opened: list[Any], every: list[Any], keys: list[int], checked: tuple[int, int]) -> tuple[int, int]:
+def open_routes(
+    opened: list[Any], every: list[Any], keys: list[int], lows: list[torch.Tensor], checked: tuple[int, int]
+) -> tuple[int, int]:
     """Route each of ``opened`` (pairs, each with its ``low`` parameter and its ``master``: those of a binding whose
     gradient moved into the master) and open their routes, as ``route`` for each. ``every``: the binding's
-    pairs, ``keys`` their parameters' ids, ``checked`` what the last call returned: when every pair moved and
-    no route changed anywhere since the routes were made for them all, they are not made again. Opening is
-    set updates and a dtype read per parameter, not a call per parameter. Returns ``checked`` for next time."""
+    pairs, ``keys`` and ``lows`` their parameters' ids and the parameters, ``checked`` what the last call
+    returned: when every pair moved and no route changed anywhere since the routes were made for them all, they
+    are not made again. Opening is set updates and a pass reading the dtypes, not a call per parameter. Returns
+    ``checked`` for next time."""
     whole = len(opened) == len(every)
     pairs, ids = (every, keys) if whole else (opened, [id(pair.low) for pair in opened])
     if not whole or checked != (_CHANGES[0], len(every)):
         for pair in pairs:
             _make(id(pair.low), pair.master)
     _OPEN.update(ids)
-    if {pair.low.dtype for pair in pairs} <= set(LOW_PRECISION):
+    if set(map(grads.DTYPE, lows if whole else [pair.low for pair in opened])) <= set(LOW_PRECISION):
         _WIDE.difference_update(ids)
     else:  # ``p.data = p.data.float()`` after the backward: a float32 parameter whose gradient was float16
         for pair, key in zip(pairs, ids, strict=True):
@@ -213,15 +218,19 @@ class ZeroGradBoth:
         type(optimizer).zero_grad(optimizer, set_to_none)
         lows = list(self._lows())
         zeroing.clear_waiting(lows, set_to_none)
-        for low, grad in [(low, low.grad) for low in lows if low.grad is not None]:  # after a step: mostly none
-            if set_to_none:
-                low.grad = None
-                continue
-            if grad.grad_fn is not None:
-                grad.detach_()
-            else:
-                grad.requires_grad_(False)
-            grad.zero_()
+        held = list(map(grads.GRAD, lows))
+        if any(map(operator.is_not, held, itertools.repeat(None))):  # after a step: none, read in one C-level pass
+            for low, grad in zip(lows, held, strict=True):
+                if grad is None:
+                    continue
+                if set_to_none:
+                    low.grad = None
+                    continue
+                if grad.grad_fn is not None:
+                    grad.detach_()
+                else:
+                    grad.requires_grad_(False)
+                grad.zero_()
         if self._zeroed is not None:
             self._zeroed(set_to_none)
 
