@@ -48,6 +48,66 @@ def test_gradient_penalty() -> None:
     compare(loop)
 
 
+CREATE_GRAPH_WARNING = "ignore:Using backward\\(\\) with create_graph=True"  # torch's, about the loop itself
+
+
+@pytest.mark.filterwarnings(CREATE_GRAPH_WARNING)
+@pytest.mark.parametrize("route", ["auto", "generic"])
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_backward_with_create_graph(monkeypatch: pytest.MonkeyPatch, route: str, fused: bool) -> None:
+    """``backward(create_graph=True)`` leaves gradients with a graph: the flags read from them (on the route CUDA
+    takes without Triton, torch's ops) carry none into the scale, whose update would then fail at the next
+    backward; torch's check, a non-differentiable op, carries none either."""
+    monkeypatch.setenv("GRADSCALER_KERNEL", route)
+
+    def loop(scaler, nets, opts, step):
+        opts[0].zero_grad()
+        scaler.scale(nets[0](torch.randn(4, 8)).pow(2).mean()).backward(create_graph=True)
+        if step == 5:
+            next(nets[0].parameters()).grad.view(-1)[0] = float("inf")
+        scaler.step(opts[0])
+        scaler.update()
+        assert not scaler._scale.requires_grad
+
+    compare(loop, fused=fused)
+
+
+@pytest.mark.filterwarnings(CREATE_GRAPH_WARNING)
+@pytest.mark.parametrize("route", ["auto", "generic"])
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_clip_after_backward_with_create_graph(monkeypatch: pytest.MonkeyPatch, route: str, fused: bool) -> None:
+    """``clip_grad_norm_`` runs outside the gradients' graph, as torch's clipping does: its norm, its factor and
+    the scale have none, and the run is torch's ``unscale_`` + ``clip_grad_norm_`` to rounding (one pass)."""
+    monkeypatch.setenv("GRADSCALER_KERNEL", route)
+    runs = []
+    for ours in (True, False):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+        opt = torch.optim.Adam(net.parameters(), lr=1e-2, fused=fused)
+        graphs: list[list[str]] = []
+        scaler = (GradScaler if ours else torch.amp.GradScaler)("cpu", init_scale=2.0**10, growth_interval=3)
+        torch.manual_seed(1)
+        for _ in range(6):
+            opt.zero_grad()
+            scaler.scale(net(torch.randn(4, 8)).pow(2).mean()).backward(create_graph=True)
+            if ours:
+                total = scaler.clip_grad_norm_(opt, 0.1)
+            else:
+                scaler.unscale_(opt)
+                total = torch.nn.utils.clip_grad_norm_(list(net.parameters()), 0.1)
+            assert not total.requires_grad
+            graphs.append([type(p.grad.grad_fn).__name__ for p in net.parameters()])  # the multiply is not in it
+            scaler.step(opt)
+            scaler.update()
+            assert not scaler._scale.requires_grad
+        runs.append((float(scaler._scale), [p.detach().clone() for p in net.parameters()], graphs))
+    (ours_scale, ours_params, ours_graphs), (torch_scale, torch_params, torch_graphs) = runs
+    assert ours_scale == torch_scale
+    assert ours_graphs == torch_graphs
+    for a, b in zip(ours_params, torch_params, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_gradient_accumulation() -> None:
     def loop(scaler, nets, opts, step):
         opts[0].zero_grad()

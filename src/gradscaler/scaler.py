@@ -243,6 +243,10 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         if not self._enabled:
             params = [p for p in grads.iter_params(optimizer) if p.grad is not None]
             return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)  # torch's, as torch would
+        with kernels.NoGrad():  # as torch's clip: gradients with a graph (``create_graph=True``) are clipped outside it
+            return self._clip_grad_norm(optimizer, max_norm, norm_type)
+
+    def _clip_grad_norm(self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float) -> torch.Tensor:
         scale, _ = self._check_scale_growth_tracker("clip_grad_norm_")
         record = self._record(optimizer)
         self._check_stage(record, "clip_grad_norm_()", allow_unscaled=True)

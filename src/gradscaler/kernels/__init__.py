@@ -53,6 +53,22 @@ _SUPPORTED: set[torch.device] = set()
 _LOCK = threading.Lock()
 
 
+class NoGrad:
+    """``torch.no_grad()`` for the scaler's own passes over gradients, whose flags and norms are never
+    differentiated (a gradient from ``backward(create_graph=True)`` has a graph: none reaches the scale) and
+    for the masters' two calls of every step (``move``, ``finish``): the same calls torch's makes on entry and
+    exit, without its decorator machinery (0.4 us a use against 2.1 on the 2-core machine)."""
+
+    __slots__ = ("_before",)
+
+    def __enter__(self) -> None:
+        self._before = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+
+    def __exit__(self, *exc: object) -> None:
+        torch._C._set_grad_enabled(self._before)
+
+
 def _capability(device: torch.device) -> tuple[int, int] | None:
     """The compute capability of a CUDA device; None for other devices."""
     return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
@@ -143,7 +159,8 @@ def grad_peaks(grads: list[torch.Tensor]) -> torch.Tensor:
     if _triton_route(device, choice) is None and not host_reads_free(device, choice):
         from gradscaler.kernels import torch_stats
 
-        return torch_stats.peaks(grads)
+        with NoGrad():
+            return torch_stats.peaks(grads)
     norms = grad_stats(grads, math.inf).norms
     assert norms is not None
     return norms
@@ -175,7 +192,8 @@ def grad_stats(grads: list[torch.Tensor], norm_type: float | None, inv_scale: to
             fall_back(device, str(error))
     from gradscaler.kernels import torch_stats
 
-    return torch_stats.grad_stats(grads, norm_type, inv_scale, host=host_reads_free(device, choice))
+    with NoGrad():  # torch's ops: gradients with a graph (``create_graph=True``) give results without one
+        return torch_stats.grad_stats(grads, norm_type, inv_scale, host=host_reads_free(device, choice))
 
 
 def move_grads_(

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from gradscaler import grads
-from gradscaler.kernels import move_grads_
+from gradscaler.kernels import NoGrad, move_grads_
 from gradscaler.masters import checkpoint, sums
 from gradscaler.masters.accumulate import Accumulation
 from gradscaler.masters.checkpoint import SAVED_KEY
@@ -61,7 +61,7 @@ from gradscaler.masters.checks import (
 )
 from gradscaler.masters.ddp import NOT_ACCUMULATING_MESSAGE
 from gradscaler.masters.moved import NOTHING, Moved, copied_stats, grad_buffers, movable, one_batch
-from gradscaler.masters.pairs import Binding, NoGrad, Pair
+from gradscaler.masters.pairs import Binding, Pair
 from gradscaler.masters.sums import give_way
 from gradscaler.masters.wrappers import (
     AddParamGroupChecked,
