@@ -4,11 +4,11 @@ CUDA route, ours against torch's scaler, held exactly per loop shape (times stay
 Counted on the CPU with a dispatch mode, one steady step (after the telemetry's first copy landed):
 ``generic`` is the route CUDA takes without Triton; ``triton`` runs gradscaler's read passes through
 its Triton kernels (here in Triton's interpreter), the route of CUDA builds. A count that moves,
-either way, fails here: a new op on the step's path is a decision, made by editing this table. Where
-ours is above torch's the row says so, and docs/architecture.md gives the floor. The ``+ logger`` rows
-are ours with a logger attached against torch's scaler, which logs nothing: their launches are what
-logging costs (each step's record copied at once, a read of every gradient for attribution), held here
-too, and the targets (never above torch on the Triton route) are for the rows without one.
+either way, fails here: a new op on the step's path is a decision, made by editing this table;
+docs/architecture.md gives the floor. The ``+ logger`` rows are ours with a logger attached against
+torch's scaler, which logs nothing: their launches are what logging costs (each step's record copied at
+once, a read of every gradient for attribution), held here too, and the target (never above torch, on
+either route) is for the rows without one.
 """
 
 from __future__ import annotations
@@ -26,18 +26,18 @@ from gradscaler.tools import bench_host
 GENERIC = {
     "mlp adamw": (18, 14, 0),
     "mlp adamw + unscale_ + clip": (26, 22, 0),
-    "mlp fused + scaler clip": (21, 21, 0),
+    "mlp fused + scaler clip": (21, 18, 0),
     "mlp adamw + masters": (20, 16, 0),
     "gpt adamw": (18, 14, 0),
-    "gpt adamw + scaler clip": (26, 28, 0),
-    "gpt fused": (12, 11, 0),
-    "gpt fused + scaler clip": (21, 21, 0),
+    "gpt adamw + scaler clip": (26, 25, 0),
+    "gpt fused": (12, 10, 0),
+    "gpt fused + scaler clip": (21, 18, 0),
     "gpt sgd": (12, 8, 0),
-    "gpt sgd + scaler clip": (20, 22, 0),
+    "gpt sgd + scaler clip": (20, 19, 0),
     "gpt adamw + masters": (20, 16, 0),
-    "gpt adamw + scaler clip + masters": (28, 30, 0),
+    "gpt adamw + scaler clip + masters": (28, 27, 0),
     "gpt fused + masters": (14, 10, 0),
-    "gpt fused + scaler clip + masters": (23, 23, 0),
+    "gpt fused + scaler clip + masters": (23, 20, 0),
     "mlp adamw + logger": (18, 17, 0),
     "gpt adamw + logger": (18, 17, 0),
 }
@@ -67,7 +67,7 @@ def test_launches_per_step(route: str, name: str) -> None:
     assert row["logged"] == (bench_host.RECORDS_PER_COPY + 4 if logged else 0)  # every step's record, none without
     if not logged:
         assert row["ours"]["update"]["launches"] == 1  # _amp_update_scale_: the record's scale is computed on the host
-    if route == "triton" and not logged:  # the route of CUDA builds: never more launches than torch's scaler
+    if not logged:  # with Triton (CUDA builds) or without: never more launches than torch's scaler
         assert ours_total["launches"] + ours_total["triton"] <= torch_total["launches"]
     assert row["same"] or SHAPES[name].clip == "scaler"  # a one-pass clip rounds its norm differently
 

@@ -86,6 +86,7 @@ def test_flag_catches_every_nonfinite_value(impl, bad: float, where: int, p: flo
     before[where].view(-1)[index] = bad
     stats = impl.grad_stats(tensors, p)
     assert float(stats.nonfinite) == 1.0
+    assert stats.nonfinite.dtype == torch.float32 and stats.nonfinite.dim() == 0  # as torch's found_inf
     for a, b in zip(tensors, before, strict=True):
         assert torch.equal(a.nan_to_num(), b.nan_to_num()), "the check must not write"
 

@@ -276,13 +276,11 @@ def _cpu(grads: list[torch.Tensor], norm_type: float | None, inv_scale: torch.Te
     return GradStats(nonfinite, moved(norms, norms.device, norm_dtype(grads[0].dtype)))
 
 
-def _nonfinite(values: torch.Tensor, summable: bool) -> torch.Tensor:
-    """0-d float32, 1.0 when any of ``values`` is inf or NaN. ``summable``: no sum of finite ones overflows
-    (float64 norms of narrower values): then their sum times 0 is 0 exactly when all are finite (three ops);
-    else each value is checked."""
-    if summable:
-        return values.sum().mul_(0).ne_(0).float()
-    return torch.isfinite(values).logical_not_().any().float()
+def _nonfinite(values: torch.Tensor) -> torch.Tensor:
+    """0-d float32, 1.0 when any of ``values`` is inf or NaN, else 0.0, in three ops on any device: each value
+    times 0 is 0 where it is finite and NaN where not, so their float32 sum is 0 or NaN (zeros never overflow),
+    and NaN becomes 1. (The values are norms: none is negative, so no -0.0 reaches the flag.)"""
+    return torch.nan_to_num(values.mul(0).sum(dtype=torch.float32), nan=1.0)
 
 
 def _per_tensor(
@@ -321,26 +319,29 @@ def _generic(grads: list[torch.Tensor], norm_type: float | None, inv_scale: torc
         zeros = torch.zeros(len(grads), dtype=out, device=device)
         return GradStats(torch.zeros((), dtype=torch.float32, device=device), None if norm_type is None else zeros)
     # In float64, a 1- or 2-norm of float32/16 values (or their largest magnitude) is finite exactly when
-    # the values are, and so is the sum of such norms: the flag comes from the norms the pass computes
-    # anyway, in three small ops. float64 gradients (and MPS, without float64) check each value instead;
-    # the inf-norm propagates NaN (as vector_norm does), so it is exact for the flag on its own.
+    # the values are: the flag comes from the norms the pass computes anyway, in three small ops. float64
+    # gradients (and MPS, without float64) take the inf-norm, which propagates NaN (as vector_norm does),
+    # so it is exact for the flag on its own.
     wide = acc == torch.float64 and grads[0].dtype != torch.float64
     if norm_type is None:  # a check alone: a float64 1-norm where it is exact, else the inf-norm
         check = per_tensor(
             torch._foreach_norm(present, 1.0, dtype=acc) if wide else torch._foreach_norm(present, math.inf)
         )
-        return GradStats(_nonfinite(check, wide), None)
+        return GradStats(_nonfinite(check), None)
     if math.isinf(norm_type):
         norms = per_tensor(torch._foreach_norm(present, math.inf))
-        nonfinite = _nonfinite(norms, wide)
+        nonfinite = _nonfinite(norms)
     else:
         norms = per_tensor(torch._foreach_norm(present, norm_type, dtype=acc))
         exact = wide and 1 <= norm_type <= 2  # else a p-norm may overflow where no value does
         peaks = norms if exact else per_tensor(torch._foreach_norm(present, math.inf))
-        nonfinite = _nonfinite(peaks, wide)
-    if inv_scale is not None:
-        norms = norms * inv_scale.to(device=device, dtype=acc)
-    return GradStats(nonfinite, norms.to(out))
+        nonfinite = _nonfinite(peaks)
+    if inv_scale is None:
+        return GradStats(nonfinite, norms.to(out))
+    # one op: the 0-d float32 factor takes the norms' dtype (promotion), the product rounds to it, and the
+    # result is written rounded to ``out`` (the multiply in float64, then float32, as two ops would give it)
+    scaled = torch.empty(norms.shape, dtype=out, device=device)
+    return GradStats(nonfinite, torch.mul(norms, inv_scale.to(device=device), out=scaled))
 
 
 def grad_stats(
