@@ -112,3 +112,17 @@ def test_python_calls_per_step(name: str) -> None:
     theirs, ours, ours_again = json.loads(result.stdout.strip().splitlines()[-1])
     assert ours_again == ours  # exact counts: the same mean over 16 steps as over 32
     assert ours - theirs <= PYTHON_CALLS[name], (theirs, ours)
+
+
+def test_a_casting_reduction_counts_its_hidden_cast() -> None:
+    """``sum(dtype=)`` of another dtype launches a cast inside ATen, below any dispatch mode: counted as one."""
+    values = torch.ones(3, dtype=torch.float64)
+    for call, launches in [
+        (lambda: values.sum(dtype=torch.float32), 2),
+        (lambda: values.sum(), 1),
+        (lambda: values.half().sum(dtype=torch.float32), 2),  # the half() and the sum: no cast on CUDA
+    ]:
+        counts = bench_host.Counts()
+        with counts:
+            call()
+        assert sum(counts.ops.values()) == launches, counts.ops

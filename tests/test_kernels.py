@@ -324,3 +324,18 @@ def test_a_default_device_set_by_the_user_changes_nothing(impl, p: float | None)
     assert torch.equal(stats.nonfinite, expected.nonfinite)
     if p is not None:
         assert torch.equal(stats.norms, expected.norms)
+
+
+def test_the_triton_fallback_reads_gradients_with_a_graph_outside_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """New gradients inside a CUDA-graph capture send the Triton route to torch's ops (``_tables`` gives None):
+    gradients from ``backward(create_graph=True)`` give a flag and norms without a graph there too (with one, the
+    norms' multiply written into float32 raises, and the flag would carry the graph into the scale)."""
+    monkeypatch.setenv("GRADSCALER_KERNEL", "generic")  # the fallback's own route choice: torch's device ops
+    monkeypatch.setattr(triton_stats, "_tables", lambda grads: None)
+    w = torch.randn(10, requires_grad=True)
+    grad = torch.autograd.grad((w**3).sum(), w, create_graph=True)[0]
+    assert grad.requires_grad
+    for p in (None, 2.0):
+        stats = triton_stats.grad_stats([grad], p, torch.tensor(2.0**-10))
+        assert float(stats.nonfinite) == 0.0 and not stats.nonfinite.requires_grad
+        assert stats.norms is None or not stats.norms.requires_grad

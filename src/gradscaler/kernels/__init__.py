@@ -54,8 +54,8 @@ _LOCK = threading.Lock()
 
 
 class NoGrad:
-    """``torch.no_grad()`` for the scaler's own passes over gradients, whose flags and norms are never
-    differentiated (a gradient from ``backward(create_graph=True)`` has a graph: none reaches the scale) and
+    """``torch.no_grad()`` for the scaler's own passes over gradients (``torch_stats``), whose flags and norms are
+    never differentiated (a gradient from ``backward(create_graph=True)`` has a graph: none reaches the scale), and
     for the masters' two calls of every step (``move``, ``finish``): the same calls torch's makes on entry and
     exit, without its decorator machinery (0.4 us a use against 2.1 on the 2-core machine)."""
 
@@ -159,8 +159,7 @@ def grad_peaks(grads: list[torch.Tensor]) -> torch.Tensor:
     if _triton_route(device, choice) is None and not host_reads_free(device, choice):
         from gradscaler.kernels import torch_stats
 
-        with NoGrad():
-            return torch_stats.peaks(grads)
+        return torch_stats.peaks(grads)
     norms = grad_stats(grads, math.inf).norms
     assert norms is not None
     return norms
@@ -192,8 +191,7 @@ def grad_stats(grads: list[torch.Tensor], norm_type: float | None, inv_scale: to
             fall_back(device, str(error))
     from gradscaler.kernels import torch_stats
 
-    with NoGrad():  # torch's ops: gradients with a graph (``create_graph=True``) give results without one
-        return torch_stats.grad_stats(grads, norm_type, inv_scale, host=host_reads_free(device, choice))
+    return torch_stats.grad_stats(grads, norm_type, inv_scale, host=host_reads_free(device, choice))
 
 
 def move_grads_(

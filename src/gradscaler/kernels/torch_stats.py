@@ -42,7 +42,7 @@ from typing import NamedTuple
 
 import torch
 
-from gradscaler.kernels import GradStats, host_reads_free, moved
+from gradscaler.kernels import GradStats, NoGrad, host_reads_free, moved
 
 _DOT_DTYPES = (torch.float32, torch.float64)
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -277,10 +277,12 @@ def _cpu(grads: list[torch.Tensor], norm_type: float | None, inv_scale: torch.Te
 
 
 def _nonfinite(values: torch.Tensor) -> torch.Tensor:
-    """0-d float32, 1.0 when any of ``values`` is inf or NaN, else 0.0, in three ops on any device: each value
-    times 0 is 0 where it is finite and NaN where not, so their float32 sum is 0 or NaN (zeros never overflow),
-    and NaN becomes 1. (The values are norms: none is negative, so no -0.0 reaches the flag.)"""
-    return torch.nan_to_num(values.mul(0).sum(dtype=torch.float32), nan=1.0)
+    """0-d float32, 1.0 when any of ``values`` is inf or NaN, else 0.0, in three kernels on any device: each value
+    times 0 is 0 where it is finite and NaN where not, written as float32 (the kernel casts on the way; a reduction
+    given ``dtype=`` would launch a cast of its own), so their sum is 0 or NaN (zeros never overflow), and NaN
+    becomes 1. (The values are norms: none is negative, so no -0.0 reaches the flag.)"""
+    zeros = torch.empty(values.shape, dtype=torch.float32, device=values.device)
+    return torch.nan_to_num(torch.mul(values, 0, out=zeros).sum(), nan=1.0)
 
 
 def _per_tensor(
@@ -296,13 +298,15 @@ def _per_tensor(
 
 def peaks(grads: list[torch.Tensor]) -> torch.Tensor:
     """``_generic``'s inf-norms (each tensor's largest magnitude, inf or NaN where it holds one), the same values,
-    without its flag: a multi-tensor inf-norm and its stack, where the flag adds four ops more. Widened straight to
-    the output dtype, not through float64: a float16 NaN may keep other payload bits (still a NaN)."""
+    without its flag: a multi-tensor inf-norm and its stack, where the flag adds three ops more. Widened straight to
+    the output dtype, not through float64: a float16 NaN may keep other payload bits (still a NaN). Outside autograd,
+    as ``grad_stats``."""
     present = [g for g in grads if g.numel()]
     out = norm_dtype(grads[0].dtype)
     if not present:
         return torch.zeros(len(grads), dtype=out, device=grads[0].device)
-    return _per_tensor(torch._foreach_norm(present, math.inf), grads, out)
+    with NoGrad():
+        return _per_tensor(torch._foreach_norm(present, math.inf), grads, out)
 
 
 def _generic(grads: list[torch.Tensor], norm_type: float | None, inv_scale: torch.Tensor | None) -> GradStats:
@@ -351,7 +355,10 @@ def grad_stats(
     *,
     host: bool | None = None,
 ) -> GradStats:
-    """See ``gradscaler.kernels.grad_stats``. ``host``: take the CPU route (None: ``host_reads_free``)."""
-    if host if host is not None else host_reads_free(grads[0].device):
-        return _cpu(grads, norm_type, inv_scale)
-    return _generic(grads, norm_type, inv_scale)
+    """See ``gradscaler.kernels.grad_stats``. ``host``: take the CPU route (None: ``host_reads_free``). Outside
+    autograd (also for the Triton route's fallback): gradients with a graph (``create_graph=True``) give results
+    without one."""
+    with NoGrad():
+        if host if host is not None else host_reads_free(grads[0].device):
+            return _cpu(grads, norm_type, inv_scale)
+        return _generic(grads, norm_type, inv_scale)

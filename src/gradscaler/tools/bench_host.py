@@ -117,8 +117,21 @@ SHAPES = [
 ]
 
 
+CASTING_REDUCTIONS = frozenset({"sum", "nansum", "prod"})
+"""Reductions that, given a ``dtype`` other than their input's, first cast the input with an op of their own that
+no dispatch mode sees (ATen's ``make_reduction_from_out_ty``; on CUDA not for float16/bfloat16 summed into float32)."""
+
+
+def _casts_first(args: Any, kwargs: Any) -> bool:
+    dtype = (kwargs or {}).get("dtype")
+    source = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    if dtype is None or source is None or dtype == source.dtype:
+        return False
+    return not (source.dtype in (torch.float16, torch.bfloat16) and dtype == torch.float32)
+
+
 class Counts(TorchDispatchMode):
-    """ATen ops dispatched inside the block, by name."""
+    """ATen ops dispatched inside the block, by name; a casting reduction's hidden cast as a ``_to_copy``."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -126,7 +139,10 @@ class Counts(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if not _IN_TRITON[0]:  # the interpreter's own tensor work stands for one launch, counted apart
-            self.ops[func.overloadpacket.__name__] += 1
+            name = func.overloadpacket.__name__
+            self.ops[name] += 1
+            if name in CASTING_REDUCTIONS and _casts_first(args, kwargs):
+                self.ops["_to_copy"] += 1
         return func(*args, **(kwargs or {}))
 
 
