@@ -90,7 +90,8 @@ def open_routes(
             _make(id(pair.low), pair.master)
     _OPEN.update(ids)
     if set(map(grads.DTYPE, lows if whole else [pair.low for pair in opened])) <= set(LOW_PRECISION):
-        _WIDE.difference_update(ids)
+        if _WIDE:  # mostly empty: no pass over the ids
+            _WIDE.difference_update(ids)
     else:  # ``p.data = p.data.float()`` after the backward: a float32 parameter whose gradient was float16
         for pair, key in zip(pairs, ids, strict=True):
             _mark_wide(key, pair.low)
@@ -100,7 +101,8 @@ def open_routes(
 def close_routes(keys: list[int]) -> None:
     """The iteration of the parameters whose ids are ``keys`` is over: a clipping over them clips them again."""
     _OPEN.difference_update(keys)
-    _WIDE.difference_update(keys)
+    if _WIDE:
+        _WIDE.difference_update(keys)
 
 
 def unroute(key: int) -> None:
