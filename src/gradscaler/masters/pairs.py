@@ -267,12 +267,8 @@ class Binding:
     def after_move(self, moved: list[tuple[Pair, torch.Tensor]], keep: bool) -> None:
         """The parameters' gradients ``moved`` into their masters: kept until ``step`` after the user's own
         ``unscale_`` (``keep``; dense ones, which ``show`` writes), else dropped."""
-        if not keep:
-            for pair, _ in moved:
-                pair.low.grad = None
-            return
         for pair, grad in moved:
-            if dense(grad):
+            if keep and dense(grad):
                 pair.kept, self.kept_any = grad, True
             else:
                 pair.low.grad = None
