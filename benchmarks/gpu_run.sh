@@ -5,6 +5,7 @@
 # Usage (repository root): bash benchmarks/gpu_run.sh [OUT_DIR]
 #   PYTHON       the interpreter (default python3); its torch must be a CUDA build
 #   BENCH_STEPS  timed steps per bench row (default 30)
+#   HOST_STEPS   timed steps per host-cost row (default 200)
 #   GPU_CHECK_FULL=1  also the Triton CHUNK/BLOCK sweep and the bench matrix (several more minutes)
 #   GPU_CHECK_BUDGET_S  seconds for all steps together (a lent machine's time is short): each step's
 #                 limit is cut to what is left, and a step with under 20 s left is recorded as not run
@@ -20,6 +21,8 @@
 #   bench         gradscaler bench: kernel, step, iteration, masters and memory sections
 #   accumulation  gradscaler bench --sections accumulation: accumulate_grads_in_fp32's precision (1 M
 #                 values), the bfloat16 training gap, bytes per parameter and time per micro-batch
+#   host          gradscaler bench --sections host: each loop shape's host cost per step on the GPU, launches
+#                 and thread time per phase, ours against torch's scaler (issue 44's target: ratio <= 1.00)
 #   demo          gradscaler demo --device cuda
 #   compile       gradscaler bench --sections compile: eager, compiled model, compiled step and compiled
 #                 step with mode="reduce-overhead" (CUDA graphs), torch's scaler against ours
@@ -79,6 +82,8 @@ step bench 300 "$py" -m gradscaler bench --device cuda --sections kernel,step,it
     --steps "${BENCH_STEPS:-30}" --warmup 5 --out "$out/bench.json"
 step accumulation 300 "$py" -m gradscaler bench --device cuda --sections accumulation --steps "${BENCH_STEPS:-30}" \
     --warmup 5 --out "$out/accumulation.json"
+step host 300 "$py" -m gradscaler bench --device cuda --sections host --steps "${HOST_STEPS:-200}" --warmup 5 \
+    --out "$out/host.json"
 step demo 300 "$py" -m gradscaler demo --device cuda --out "$out/demo" --no-progress
 # last: the slowest (inductor compiles each loop shape twice), so a short budget loses it first
 step compile 300 "$py" -m gradscaler bench --device cuda --sections compile --steps 20 --warmup 5 \

@@ -56,12 +56,15 @@ def main(out: Path) -> int:
                 problems.append(f"{counts['skipped']} of {counts['tests']} CUDA-marked tests did not run")
         md.append(f"| {name} | {rc} | {seconds} | {tests} |")
     total = sum(int(seconds) for _, _, seconds in steps)
-    numbers = "`bench.json`, `compile.json`, `accumulation.json`, `demo/`"
+    numbers = "`bench.json`, `host.json`, `compile.json`, `accumulation.json`, `demo/`"
     md += ["", f"Total {total} s. Logs: `<step>.log` in this folder; numbers: {numbers}.", ""]
     md += ["## Verdict", ""] + ([f"- FAILED: {p}" for p in problems] or ["- every step passed"]) + [""]
     read_pass = section(out / "bench.log", "One read pass", "Optimizer step phase")
     if read_pass:
         md += ["## Read pass (bench)", "", *read_pass, ""]
+    host = section(out / "host.log", "Host cost per step", "numbers written")
+    if host:
+        md += ["## Host cost per step (bench --sections host)", "", *host, ""]
     compiled = section(out / "compile.log", "Training steps under torch.compile", "numbers written")
     if compiled:
         md += ["## Compiled steps (bench --sections compile)", "", *compiled[2:], ""]

@@ -14,6 +14,7 @@ either route) is for the rows without one.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -126,3 +127,25 @@ def test_a_casting_reduction_counts_its_hidden_cast() -> None:
         with counts:
             call()
         assert sum(counts.ops.values()) == launches, counts.ops
+
+
+def test_the_native_route_leaves_the_scaler_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``route="native"`` (``make gpu-check``'s host step, on CUDA) runs each scaler as a user's would: here the CPU
+    route proper, whose flag is read on the host for free (more host reads than torch's, no more launches)."""
+    monkeypatch.delenv("GRADSCALER_KERNEL", raising=False)
+    row = bench_host.measure(
+        SHAPES["mlp fused + scaler clip"], steps=2, warmup=bench_host.RECORDS_PER_COPY + 2, route="native"
+    )
+    assert (row["route"], row["device"]) == ("native", "cpu")
+    torch_total, ours_total = row["torch"]["total"], row["ours"]["total"]
+    assert ours_total["syncs"] > torch_total["syncs"] == 0  # the CPU route's reads; the generic route makes none
+    assert ours_total["launches"] <= torch_total["launches"]
+    assert "GRADSCALER_KERNEL" not in os.environ
+    assert any(
+        line.startswith("| mlp fused + scaler clip | native, cpu | 8 |") for line in bench_host.format_host([row])
+    )
+
+
+def test_a_stand_in_route_runs_on_the_cpu_only() -> None:
+    with pytest.raises(ValueError, match="route='generic' stands for CUDA on the CPU; on cuda measure route='native'"):
+        bench_host.measure(SHAPES["mlp adamw"], steps=1, warmup=0, device=torch.device("cuda"))

@@ -321,10 +321,16 @@ def run(
     if "host" in sections:
         from gradscaler.tools.bench_host import SHAPES, host_section, triton_rows
 
-        progress(f"bench: host cost per step on the CUDA route ({len(SHAPES)} loop shapes x 2 scalers) ...")
-        results["host"] = host_section(steps, warmup)
-        progress("bench: host cost on the Triton route, its kernels in Triton's interpreter (counts only; minutes) ...")
-        results["host"] += triton_rows(progress)
+        if device.type == "cpu":  # the CUDA route's ops, dispatched here: the proxy for a GPU's host
+            progress(f"bench: host cost per step on the CUDA route ({len(SHAPES)} loop shapes x 2 scalers) ...")
+            results["host"] = host_section(steps, warmup)
+            progress(
+                "bench: host cost on the Triton route, its kernels in Triton's interpreter (counts only; minutes) ..."
+            )
+            results["host"] += triton_rows(progress)
+        else:  # the real thing: the scaler's own route, each phase's thread time after the device drained
+            progress(f"bench: host cost per step on {device} ({len(SHAPES)} loop shapes x 2 scalers) ...")
+            results["host"] = host_section(steps, warmup, route="native", device=device)
     if "accumulation" in sections:
         from gradscaler.tools.bench_accumulate import accumulation_section
 

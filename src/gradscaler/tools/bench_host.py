@@ -4,7 +4,8 @@ A small model's step on a GPU is host-bound: each ATen op the scaler dispatches 
 plus its Python. This section counts them on any machine. Each loop shape runs twice in one process,
 torch's scaler (for float16 parameters: the recipe by hand, float32 copies moved and written back
 with multi-tensor copies) and ours, their steps alternated, on the device route the CUDA build takes
-(``GRADSCALER_KERNEL=generic``: the scaler's device-side telemetry and read passes, run on the CPU).
+(``GRADSCALER_KERNEL=generic``: the scaler's device-side telemetry and read passes, run on the CPU). On a
+GPU (``--device cuda``) each runs its own route there (``"native"``), each phase timed after the device drained.
 Per phase of the step (``scale``, ``unscale_``, ``clip``, ``step``, ``update``, ``zero_grad``;
 forward and backward are the model's and not counted) a ``TorchDispatchMode`` counts:
 
@@ -192,12 +193,13 @@ def _triton_counted() -> Iterator[None]:
 class Loop:
     """One shape's model, optimizer and scaler, and its step as a user writes it, phase by phase."""
 
-    def __init__(self, shape: HostShape, ours: bool, seed: int = 0) -> None:
+    def __init__(self, shape: HostShape, ours: bool, seed: int = 0, device: torch.device | None = None) -> None:
         gen = torch.Generator().manual_seed(seed)
         sizes = [(32, 32), (32,)] * 4 if shape.model == "mlp" else gpt2_shapes(32, 12, 64, 16)
         dtype = torch.float16 if shape.masters else torch.float32
-        self.params = [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.1).to(dtype)) for s in sizes]
-        self.weights = [torch.randn(s, generator=gen).to(dtype) for s in sizes]  # d(loss)/dp, constant
+        self.device = device = device or torch.device("cpu")
+        self.params = [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.1).to(device, dtype)) for s in sizes]
+        self.weights = [torch.randn(s, generator=gen).to(device, dtype) for s in sizes]  # d(loss)/dp, constant
         self.shape, self.ours = shape, ours
         self.copies = [p.detach().float().requires_grad_() for p in self.params] if shape.masters and not ours else []
         stepped = self.copies or self.params
@@ -207,9 +209,9 @@ class Loop:
             fused = shape.optimizer == "fused"
             self.optimizer = torch.optim.AdamW(stepped, lr=1e-3, fused=fused, foreach=None if fused else True)
         self.scaler: Any = (
-            GradScaler("cpu", growth_interval=1000, master_weights=shape.masters)
+            GradScaler(device.type, growth_interval=1000, master_weights=shape.masters)
             if ours
-            else torch.amp.GradScaler("cpu", growth_interval=1000)
+            else torch.amp.GradScaler(device.type, growth_interval=1000)
         )
         self.logged: list[dict[str, Any]] = []
         if shape.logger and ours:
@@ -262,9 +264,10 @@ class Loop:
             self._measure(costs[phase], call, count)
         return costs
 
-    @staticmethod
-    def _measure(cost: PhaseCost, call: Callable[[], Any], count: bool) -> Any:
+    def _measure(self, cost: PhaseCost, call: Callable[[], Any], count: bool) -> Any:
         if not count:
+            if self.device.type == "cuda":  # a host read in the phase waits for its own kernels, not the backward's
+                torch.cuda.synchronize(self.device)
             start = time.thread_time_ns()
             result = call()
             cost.cpu_ns += time.thread_time_ns() - start
@@ -282,18 +285,20 @@ class Loop:
         return [p.detach().clone() for p in self.params]
 
 
-ROUTES = ("generic", "triton")
+ROUTES = ("generic", "triton", "native")
 
 
 @contextmanager
 def device_route(route: str = "generic") -> Iterator[None]:
     """The route CUDA takes, taken on the CPU: ``GRADSCALER_KERNEL=generic`` (device-side telemetry, torch's
     read passes: CUDA without Triton); ``"triton"`` also runs the read passes through gradscaler's Triton
-    kernels (on the CPU under ``TRITON_INTERPRET=1``, so only its counts mean anything)."""
+    kernels (on the CPU under ``TRITON_INTERPRET=1``, so only its counts mean anything); ``"native"`` leaves
+    the scaler its own route on the device it runs on (on a GPU: real launches, and their real host time)."""
     from gradscaler import kernels
 
     before = os.environ.get("GRADSCALER_KERNEL")
-    os.environ["GRADSCALER_KERNEL"] = "generic"
+    if route != "native":
+        os.environ["GRADSCALER_KERNEL"] = "generic"
     real_route = kernels._triton_route
     if route == "triton":
         kernels._triton_route = lambda device, choice: "forced"  # type: ignore[assignment]
@@ -303,17 +308,23 @@ def device_route(route: str = "generic") -> Iterator[None]:
     finally:
         kernels._triton_route = real_route  # type: ignore[assignment]
         if before is None:
-            del os.environ["GRADSCALER_KERNEL"]
+            os.environ.pop("GRADSCALER_KERNEL", None)
         else:
             os.environ["GRADSCALER_KERNEL"] = before
 
 
-def measure(shape: HostShape, steps: int, warmup: int, route: str = "generic") -> dict[str, Any]:
-    """Both runs of ``shape`` on ``route``, steps alternated: ``warmup`` steps, one counted, ``steps``
-    timed. Per phase and in all: the counts, the median CPU time, and the time ratio: per step (median,
-    quartiles) and of the two runs' sums (``whole``). ``same``: the two runs ended bit-identical."""
+def measure(
+    shape: HostShape, steps: int, warmup: int, route: str = "generic", device: torch.device | None = None
+) -> dict[str, Any]:
+    """Both runs of ``shape`` on ``route`` (on ``device``, the CPU by default: only ``"native"`` runs
+    elsewhere), steps alternated: ``warmup`` steps, one counted, ``steps`` timed. Per phase and in all: the
+    counts, the median CPU time, and the time ratio: per step (median, quartiles) and of the two runs' sums
+    (``whole``). ``same``: the two runs ended bit-identical."""
+    device = device or torch.device("cpu")
+    if route != "native" and device.type != "cpu":
+        raise ValueError(f"route={route!r} stands for CUDA on the CPU; on {device} measure route='native'")
     with device_route(route):
-        runs = {"torch": Loop(shape, ours=False), "ours": Loop(shape, ours=True)}
+        runs = {"torch": Loop(shape, ours=False, device=device), "ours": Loop(shape, ours=True, device=device)}
         counted: dict[str, dict[str, PhaseCost]] = {}
         timed: dict[str, list[dict[str, PhaseCost]]] = {"torch": [], "ours": []}
         for i in range(warmup + 1 + steps):
@@ -323,7 +334,12 @@ def measure(shape: HostShape, steps: int, warmup: int, route: str = "generic") -
                     counted[name] = costs
                 elif i > warmup:
                     timed[name].append(costs)
-    row: dict[str, Any] = {"shape": shape.name, "route": route, "tensors": len(runs["ours"].params)}
+    row: dict[str, Any] = {
+        "shape": shape.name,
+        "route": route,
+        "device": str(device),
+        "tensors": len(runs["ours"].params),
+    }
     step_ns = {name: [sum(c.cpu_ns for c in s.values()) for s in measured] for name, measured in timed.items()}
     for name in ("torch", "ours"):
         cost = counted[name]
@@ -376,12 +392,16 @@ def python_calls(shape: HostShape, ours: bool, steps: int = 32, warmup: int = 20
 
 
 def host_section(
-    steps: int, warmup: int, shapes: list[HostShape] | None = None, route: str = "generic"
+    steps: int,
+    warmup: int,
+    shapes: list[HostShape] | None = None,
+    route: str = "generic",
+    device: torch.device | None = None,
 ) -> list[dict[str, Any]]:
-    """One row per loop shape on ``route`` (see ``measure``). The warm-up is at least enough for the
-    telemetry's first copy to land (its steady state)."""
+    """One row per loop shape on ``route`` and ``device`` (see ``measure``). The warm-up is at least enough for
+    the telemetry's first copy to land (its steady state)."""
     warmup = max(warmup, RECORDS_PER_COPY + 2)
-    return [measure(shape, steps, warmup, route) for shape in shapes or SHAPES]
+    return [measure(shape, steps, warmup, route, device) for shape in shapes or SHAPES]
 
 
 def triton_rows(progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
@@ -397,6 +417,11 @@ def triton_rows(progress: Callable[[str], None] = print) -> list[dict[str, Any]]
     return list(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
+def _route_cell(row: dict[str, Any]) -> str:
+    """``generic`` and ``triton`` (the CPU's stand-ins for CUDA), or the device a ``native`` row ran on."""
+    return f"native, {row['device']}" if row["route"] == "native" else str(row["route"])
+
+
 def format_host(rows: list[dict[str, Any]]) -> list[str]:
     """Markdown: launches per phase (torch / ours), in all, Triton apart, syncs, CPU time and its ratio."""
     if not rows:
@@ -404,7 +429,8 @@ def format_host(rows: list[dict[str, Any]]) -> list[str]:
     head = " | ".join(PHASES)
     lines = [
         "",
-        "Host cost per step on the CUDA route, counted on this machine (kernel launches torch / ours per phase;"
+        "Host cost per step on the CUDA route (generic, triton: its ops on this machine; native: the scaler's own"
+        " route on the device named), counted on this machine (kernel launches torch / ours per phase;"
         " CPU time: thread time of the phases, median; ratio ours / torch, median [quartiles] of per-step ratios;"
         " whole: ours / torch of the runs' summed time, every step counted, also one now and then doing more)."
         " A row ending in + logger is ours with a logger attached (every step) against torch's scaler, which logs"
@@ -426,7 +452,7 @@ def format_host(rows: list[dict[str, Any]]) -> list[str]:
             else "- | - | -"
         )
         lines.append(
-            f"| {row['shape']} | {row['route']} | {row['tensors']} | {cells} | "
+            f"| {row['shape']} | {_route_cell(row)} | {row['tensors']} | {cells} | "
             f"{t['total']['launches']} / {o['total']['launches']} | "
             f"{t['total']['triton']} / {o['total']['triton']} | {t['total']['syncs']} / {o['total']['syncs']} | "
             f"{time_cells} | {'yes' if row['same'] else 'no (rounding: a one-pass clip)'} |"
