@@ -5,7 +5,7 @@
 # Usage (repository root): bash benchmarks/gpu_run.sh [OUT_DIR]
 #   PYTHON       the interpreter (default python3); its torch must be a CUDA build
 #   BENCH_STEPS  timed steps per bench row (default 30)
-#   HOST_STEPS   timed steps per host-cost row (default 200)
+#   HOST_STEPS   timed steps per host-cost row (default 100)
 #   GPU_CHECK_FULL=1  also the Triton CHUNK/BLOCK sweep and the bench matrix (several more minutes)
 #   GPU_CHECK_BUDGET_S  seconds for all steps together (a lent machine's time is short): each step's
 #                 limit is cut to what is left, and a step with under 20 s left is recorded as not run
@@ -22,7 +22,8 @@
 #   accumulation  gradscaler bench --sections accumulation: accumulate_grads_in_fp32's precision (1 M
 #                 values), the bfloat16 training gap, bytes per parameter and time per micro-batch
 #   host          gradscaler bench --sections host: each loop shape's host cost per step on the GPU, launches
-#                 and thread time per phase, ours against torch's scaler (issue 44's target: ratio <= 1.00)
+#                 and thread time per phase, ours against torch's scaler (issue 44's target: ratio <= 1.00),
+#                 on the scaler's own route and again with torch's ops for its passes (no Triton)
 #   demo          gradscaler demo --device cuda
 #   compile       gradscaler bench --sections compile: eager, compiled model, compiled step and compiled
 #                 step with mode="reduce-overhead" (CUDA graphs), torch's scaler against ours
@@ -82,7 +83,7 @@ step bench 300 "$py" -m gradscaler bench --device cuda --sections kernel,step,it
     --steps "${BENCH_STEPS:-30}" --warmup 5 --out "$out/bench.json"
 step accumulation 300 "$py" -m gradscaler bench --device cuda --sections accumulation --steps "${BENCH_STEPS:-30}" \
     --warmup 5 --out "$out/accumulation.json"
-step host 300 "$py" -m gradscaler bench --device cuda --sections host --steps "${HOST_STEPS:-200}" --warmup 5 \
+step host 300 "$py" -m gradscaler bench --device cuda --sections host --steps "${HOST_STEPS:-100}" --warmup 5 \
     --out "$out/host.json"
 step demo 300 "$py" -m gradscaler demo --device cuda --out "$out/demo" --no-progress
 # last: the slowest (inductor compiles each loop shape twice), so a short budget loses it first

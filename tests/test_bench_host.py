@@ -129,23 +129,30 @@ def test_a_casting_reduction_counts_its_hidden_cast() -> None:
         assert sum(counts.ops.values()) == launches, counts.ops
 
 
-def test_the_native_route_leaves_the_scaler_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``route="native"`` (``make gpu-check``'s host step, on CUDA) runs each scaler as a user's would: here the CPU
-    route proper, whose flag is read on the host for free (more host reads than torch's, no more launches)."""
+@pytest.mark.parametrize(("route", "kernel"), [("native", None), ("torch-ops", "torch")])
+def test_the_routes_on_the_device_leave_the_scaler_its_own(
+    monkeypatch: pytest.MonkeyPatch, route: str, kernel: str | None
+) -> None:
+    """``route="native"`` and ``"torch-ops"`` (``make gpu-check``'s host step, on CUDA: with Triton, without) run
+    each scaler as a user's would: here the CPU route proper, whose flag is read on the host for free (more host
+    reads than torch's, no more launches)."""
     monkeypatch.delenv("GRADSCALER_KERNEL", raising=False)
-    row = bench_host.measure(
-        SHAPES["mlp fused + scaler clip"], steps=2, warmup=bench_host.RECORDS_PER_COPY + 2, route="native"
-    )
-    assert (row["route"], row["device"]) == ("native", "cpu")
+    with bench_host.device_route(route):
+        assert os.environ.get("GRADSCALER_KERNEL") == kernel
+    assert "GRADSCALER_KERNEL" not in os.environ
+    shape = SHAPES["mlp fused + scaler clip"]
+    row = bench_host.measure(shape, steps=2, warmup=bench_host.RECORDS_PER_COPY + 2, route=route)
+    assert (row["route"], row["device"]) == (route, "cpu")
     torch_total, ours_total = row["torch"]["total"], row["ours"]["total"]
     assert ours_total["syncs"] > torch_total["syncs"] == 0  # the CPU route's reads; the generic route makes none
     assert ours_total["launches"] <= torch_total["launches"]
     assert "GRADSCALER_KERNEL" not in os.environ
-    assert any(
-        line.startswith("| mlp fused + scaler clip | native, cpu | 8 |") for line in bench_host.format_host([row])
-    )
+    lines = bench_host.format_host([row])
+    assert any(line.startswith(f"| mlp fused + scaler clip | {route}, cpu | 8 |") for line in lines)
 
 
 def test_a_stand_in_route_runs_on_the_cpu_only() -> None:
-    with pytest.raises(ValueError, match="route='generic' stands for CUDA on the CPU; on cuda measure route='native'"):
+    with pytest.raises(
+        ValueError, match="route='generic' stands for CUDA on the CPU; on cuda measure route='native' or"
+    ):
         bench_host.measure(SHAPES["mlp adamw"], steps=1, warmup=0, device=torch.device("cuda"))

@@ -328,9 +328,11 @@ def run(
                 "bench: host cost on the Triton route, its kernels in Triton's interpreter (counts only; minutes) ..."
             )
             results["host"] += triton_rows(progress)
-        else:  # the real thing: the scaler's own route, each phase's thread time after the device drained
-            progress(f"bench: host cost per step on {device} ({len(SHAPES)} loop shapes x 2 scalers) ...")
+        else:  # the real thing, each phase's thread time after the device drained: the scaler's own route, then
+            # torch's ops (no Triton): which of the two is lighter on the host, shape by shape
+            progress(f"bench: host cost per step on {device} ({len(SHAPES)} loop shapes x 2 scalers x 2 routes) ...")
             results["host"] = host_section(steps, warmup, route="native", device=device)
+            results["host"] += host_section(steps, warmup, route="torch-ops", device=device)
     if "accumulation" in sections:
         from gradscaler.tools.bench_accumulate import accumulation_section
 

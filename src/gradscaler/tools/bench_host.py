@@ -285,7 +285,9 @@ class Loop:
         return [p.detach().clone() for p in self.params]
 
 
-ROUTES = ("generic", "triton", "native")
+ROUTES = ("generic", "triton", "native", "torch-ops")
+ON_DEVICE = ("native", "torch-ops")
+"""The routes that run on the device measured (the others stand for CUDA on the CPU)."""
 
 
 @contextmanager
@@ -293,12 +295,14 @@ def device_route(route: str = "generic") -> Iterator[None]:
     """The route CUDA takes, taken on the CPU: ``GRADSCALER_KERNEL=generic`` (device-side telemetry, torch's
     read passes: CUDA without Triton); ``"triton"`` also runs the read passes through gradscaler's Triton
     kernels (on the CPU under ``TRITON_INTERPRET=1``, so only its counts mean anything); ``"native"`` leaves
-    the scaler its own route on the device it runs on (on a GPU: real launches, and their real host time)."""
+    the scaler its own route on the device it runs on (on a GPU: real launches, and their real host time);
+    ``"torch-ops"`` is the device's route without Triton (``GRADSCALER_KERNEL=torch``: torch's multi-tensor ops
+    for every pass, as on a GPU where Triton cannot compile)."""
     from gradscaler import kernels
 
     before = os.environ.get("GRADSCALER_KERNEL")
     if route != "native":
-        os.environ["GRADSCALER_KERNEL"] = "generic"
+        os.environ["GRADSCALER_KERNEL"] = "torch" if route == "torch-ops" else "generic"
     real_route = kernels._triton_route
     if route == "triton":
         kernels._triton_route = lambda device, choice: "forced"  # type: ignore[assignment]
@@ -316,13 +320,15 @@ def device_route(route: str = "generic") -> Iterator[None]:
 def measure(
     shape: HostShape, steps: int, warmup: int, route: str = "generic", device: torch.device | None = None
 ) -> dict[str, Any]:
-    """Both runs of ``shape`` on ``route`` (on ``device``, the CPU by default: only ``"native"`` runs
+    """Both runs of ``shape`` on ``route`` (on ``device``, the CPU by default: only the routes ``ON_DEVICE`` run
     elsewhere), steps alternated: ``warmup`` steps, one counted, ``steps`` timed. Per phase and in all: the
     counts, the median CPU time, and the time ratio: per step (median, quartiles) and of the two runs' sums
     (``whole``). ``same``: the two runs ended bit-identical."""
     device = device or torch.device("cpu")
-    if route != "native" and device.type != "cpu":
-        raise ValueError(f"route={route!r} stands for CUDA on the CPU; on {device} measure route='native'")
+    if route not in ON_DEVICE and device.type != "cpu":
+        raise ValueError(
+            f"route={route!r} stands for CUDA on the CPU; on {device} measure route='native' or 'torch-ops'"
+        )
     with device_route(route):
         runs = {"torch": Loop(shape, ours=False, device=device), "ours": Loop(shape, ours=True, device=device)}
         counted: dict[str, dict[str, PhaseCost]] = {}
@@ -418,8 +424,8 @@ def triton_rows(progress: Callable[[str], None] = print) -> list[dict[str, Any]]
 
 
 def _route_cell(row: dict[str, Any]) -> str:
-    """``generic`` and ``triton`` (the CPU's stand-ins for CUDA), or the device a ``native`` row ran on."""
-    return f"native, {row['device']}" if row["route"] == "native" else str(row["route"])
+    """``generic`` and ``triton`` (the CPU's stand-ins for CUDA), or the route and the device of a row run there."""
+    return f"{row['route']}, {row['device']}" if row["route"] in ON_DEVICE else str(row["route"])
 
 
 def format_host(rows: list[dict[str, Any]]) -> list[str]:
@@ -430,7 +436,8 @@ def format_host(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
         "",
         "Host cost per step on the CUDA route (generic, triton: its ops on this machine; native: the scaler's own"
-        " route on the device named), counted on this machine (kernel launches torch / ours per phase;"
+        " route on the device named; torch-ops: that route without Triton), counted on this machine (kernel"
+        " launches torch / ours per phase;"
         " CPU time: thread time of the phases, median; ratio ours / torch, median [quartiles] of per-step ratios;"
         " whole: ours / torch of the runs' summed time, every step counted, also one now and then doing more)."
         " A row ending in + logger is ours with a logger attached (every step) against torch's scaler, which logs"
