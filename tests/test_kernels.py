@@ -192,6 +192,27 @@ def test_many_small_and_few_big_tensors(impl, p: float | None, layout: str) -> N
         assert float(impl.grad_stats([t.to(DEVICE) for t in spoiled], p).nonfinite) == 1.0
 
 
+@pytest.mark.parametrize("p", [None, 2.0], ids=str)
+def test_triton_passes_over_more_tensors_than_one_launch_takes(
+    monkeypatch: pytest.MonkeyPatch, p: float | None
+) -> None:
+    """Past ``MAX_TENSORS`` a pass launches once per part (non-contiguous tensors copied first): the same norms, in
+    order, as one launch gives, and a bad value in any part is found."""
+    tensors = grads(seed=8)
+    tensors[0] = tensors[0].t()  # not contiguous
+    whole = triton_stats.grad_stats(tensors, p, torch.tensor(0.5))
+    monkeypatch.setattr(triton_stats, "MAX_TENSORS", 3)
+    split = triton_stats.grad_stats(tensors, p, torch.tensor(0.5))
+    assert float(split.nonfinite) == 0.0
+    if p is not None:
+        assert torch.equal(split.norms, whole.norms)
+    for index in (0, 4, len(tensors) - 1):
+        spoiled = [t.clone() for t in tensors]
+        if spoiled[index].numel():
+            spoiled[index][(0,) * spoiled[index].dim()] = math.inf
+            assert float(triton_stats.grad_stats(spoiled, p).nonfinite) == 1.0
+
+
 def test_triton_norms_are_deterministic() -> None:
     tensors = grads(seed=3)
     first = triton_stats.grad_stats(tensors, 2.0).norms

@@ -200,6 +200,7 @@ class _Tables:
         self.aligned = all(g.data_ptr() % 16 == 0 for g in grads)
 
 
+_DATA_PTR, _NUMEL, _IS_CONTIGUOUS = torch.Tensor.data_ptr, torch.Tensor.numel, torch.Tensor.is_contiguous
 _CACHE: OrderedDict[tuple[object, ...], _Tables] = OrderedDict()
 _CACHE_SIZE = 16
 _CAPTURED: dict[tuple[object, ...], _Tables] = {}
@@ -209,7 +210,7 @@ _CAPTURED: dict[tuple[object, ...], _Tables] = {}
 def _tables(grads: list[torch.Tensor]) -> _Tables | None:
     """The device tables for ``grads``; None when they are new and a CUDA graph is being captured
     (building them needs a host-to-device copy, which a capture must not contain)."""
-    key = (grads[0].device, tuple([(g.data_ptr(), g.numel()) for g in grads]))
+    key = (grads[0].device, tuple(map(_DATA_PTR, grads)), tuple(map(_NUMEL, grads)))  # C-level passes, no bytecode
     capturing = grads[0].is_cuda and torch.cuda.is_current_stream_capturing()
     found = _CAPTURED.get(key) or _CACHE.get(key)
     if found is None:
@@ -245,10 +246,10 @@ def mode_of(norm_type: float | None) -> int:
 
 def grad_stats(grads: list[torch.Tensor], norm_type: float | None, inv_scale: torch.Tensor | None = None) -> GradStats:
     """See ``gradscaler.kernels.grad_stats``. Tensors must be contiguous; others are read via a copy."""
-    parts = [
-        [g if g.is_contiguous() else g.contiguous() for g in grads[i : i + MAX_TENSORS]]
-        for i in range(0, len(grads), MAX_TENSORS)
-    ]
+    if not all(map(_IS_CONTIGUOUS, grads)):
+        grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
+    step = MAX_TENSORS
+    parts = [grads[i : i + step] for i in range(0, len(grads), step)] if len(grads) > step else [grads]
     tables = [_tables(part) for part in parts]
     if any(t is None for t in tables):  # new gradients inside a graph capture: torch's ops instead
         from gradscaler.kernels import torch_stats
