@@ -156,3 +156,28 @@ def test_a_stand_in_route_runs_on_the_cpu_only() -> None:
         ValueError, match="route='generic' stands for CUDA on the CPU; on cuda measure route='native' or"
     ):
         bench_host.measure(SHAPES["mlp adamw"], steps=1, warmup=0, device=torch.device("cuda"))
+
+
+def test_the_bench_on_a_gpu_measures_both_routes_there(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``gradscaler bench --device cuda --sections host`` (``make gpu-check``'s host step): the rows of the scaler's
+    own route and of torch's ops, on the GPU; none of the CPU's stand-ins (whose ops are CUDA's, not the GPU's)."""
+    from gradscaler.tools import bench
+
+    calls: list[tuple[str, str]] = []
+
+    def section(
+        steps: int, warmup: int, route: str = "generic", device: torch.device | None = None
+    ) -> list[dict[str, str]]:
+        calls.append((route, str(device)))
+        return [{"route": route}]
+
+    monkeypatch.setattr(bench_host, "host_section", section)
+    monkeypatch.setattr(bench_host, "triton_rows", lambda progress: pytest.fail("the interpreter's rows on a GPU"))
+    monkeypatch.setattr(bench, "environment", lambda device: {"device": str(device)})
+    results = bench.run("cuda", 5, 1, ["host"], progress=lambda line: None)
+    assert calls == [("native", "cuda"), ("torch-ops", "cuda")]
+    assert [row["route"] for row in results["host"]] == ["native", "torch-ops"]
+    calls.clear()
+    monkeypatch.setattr(bench_host, "triton_rows", lambda progress: [])
+    bench.run("cpu", 5, 1, ["host"], progress=lambda line: None)
+    assert calls == [("generic", "None")]  # the CPU: CUDA's ops dispatched here

@@ -202,7 +202,15 @@ def test_triton_passes_over_more_tensors_than_one_launch_takes(
     tensors[0] = tensors[0].t()  # not contiguous
     whole = triton_stats.grad_stats(tensors, p, torch.tensor(0.5))
     monkeypatch.setattr(triton_stats, "MAX_TENSORS", 3)
+    launch, passes = triton_stats.launch, []
+
+    def counted(kernel, *args, **kwargs):  # type: ignore[no-untyped-def]
+        passes.append(kernel is triton_stats._chunk_kernel)
+        launch(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(triton_stats, "launch", counted)
     split = triton_stats.grad_stats(tensors, p, torch.tensor(0.5))
+    assert sum(passes) == math.ceil(len(tensors) / 3)  # one pass per part
     assert float(split.nonfinite) == 0.0
     if p is not None:
         assert torch.equal(split.norms, whole.norms)

@@ -28,9 +28,9 @@ BENCH_SECTIONS = {
     "against gradscaler",
     "memory": "bytes per parameter of float32 / float16 + masters / float16 parameters after a training "
     "step, measured from the storages (nothing timed)",
-    "host": "what a step costs the host on the CUDA route, counted on any machine: per loop shape and phase, "
-    "ATen ops, kernel launches (Triton's apart), host syncs and thread CPU time, torch's scaler against "
-    "gradscaler (the Triton route's counts in Triton's interpreter: minutes)",
+    "host": "what a step costs the host on the CUDA route: per loop shape and phase, ATen ops, kernel launches "
+    "(Triton's apart), host syncs and thread CPU time, torch's scaler against gradscaler; on the CPU, CUDA's ops "
+    "dispatched here (the Triton route's counts in Triton's interpreter: minutes), on a GPU both routes there",
     "accumulation": "what accumulate_grads_in_fp32=True (micro-batch gradients summed in float32) costs "
     "and gains: the sum's error against float64, a bfloat16 training run against float32, bytes per "
     "parameter, time per micro-batch, and the same under DDP (2 gloo processes) and FSDP2",
