@@ -214,6 +214,7 @@ class Loop:
             else torch.amp.GradScaler(device.type, growth_interval=1000)
         )
         self.logged: list[dict[str, Any]] = []
+        self.kernels: int | None = None  # the counted step's device work on CUDA (``step``)
         if shape.logger and ours:
             logged_scaler: Any = self.scaler
             logged_scaler.add_logger(self.logged.append, every=1)
@@ -256,12 +257,20 @@ class Loop:
 
     def step(self, count: bool) -> dict[str, PhaseCost]:
         """One training step; the cost of each phase: its ops when ``count`` (a dispatch mode, whose own
-        Python would weigh on the time), else its time."""
+        Python would weigh on the time), else its time. A counted step on CUDA also sets ``kernels``: what the
+        device ran outside forward and backward, as its profiler records it (``device_work``)."""
         costs = {phase: PhaseCost(Counter(), 0, 0) for phase in PHASES}
         loss = self.loss()
-        self._measure(costs["scale"], lambda: self.scaler.scale(loss), count).backward()
-        for phase, call in self.phases():
-            self._measure(costs[phase], call, count)
+        profiled = self.device.type if count and self.device.type == "cuda" else None
+        scaled, before = device_work(
+            lambda: self._measure(costs["scale"], lambda: self.scaler.scale(loss), count), profiled
+        )
+        scaled.backward()
+        _, after = device_work(
+            lambda: [self._measure(costs[phase], call, count) for phase, call in self.phases()], profiled
+        )
+        if count:  # none at all: a profiler that saw nothing (CUPTI refused), as scale's multiply is one
+            self.kernels = None if before is None or after is None or before + after == 0 else before + after
         return costs
 
     def _measure(self, cost: PhaseCost, call: Callable[[], Any], count: bool) -> Any:
@@ -283,6 +292,36 @@ class Loop:
     def state(self) -> list[torch.Tensor]:
         """The parameters, for the bit-for-bit check between the two runs."""
         return [p.detach().clone() for p in self.params]
+
+
+def device_work(call: Callable[[], Any], device_type: str | None) -> tuple[Any, int | None]:
+    """``call()``, and what ``device_type``'s profiler saw that device run for it (kernels, copies, fills: on CUDA
+    each a launch or a copy the host issued, a multi-tensor op's several kernels and the ops' hidden ones
+    included), None when ``device_type`` is None or the profiler could not say. ``call`` runs once either way."""
+    if device_type is None:
+        return call(), None
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device_type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    try:
+        session = torch.profiler.profile(activities=activities)
+        session.__enter__()
+    except Exception:  # a profiler that cannot start: the count is unknown, the step still runs
+        return call(), None
+    try:
+        result = call()
+        if device_type == "cuda":
+            torch.cuda.synchronize()  # every kernel done before the profiler stops
+    finally:
+        try:
+            session.__exit__(None, None, None)
+            events = session.events()
+        except Exception:
+            events = None
+    if events is None:
+        return result, None
+    wanted = getattr(torch.autograd.DeviceType, device_type.upper())
+    return result, sum(1 for event in events if event.device_type == wanted)
 
 
 ROUTES = ("generic", "triton", "native", "torch-ops")
@@ -361,6 +400,7 @@ def measure(
         }
         total = {key: sum(row[name][phase][key] for phase in PHASES) for key in ("ops", "launches", "triton", "syncs")}
         total["cpu_us"] = statistics.median(step_ns[name]) / 1e3
+        total["device_kernels"] = runs[name].kernels  # on CUDA: its profiler's count (None elsewhere)
         row[name]["total"] = total
     ratios = [ours / max(1, theirs) for ours, theirs in zip(step_ns["ours"], step_ns["torch"], strict=True)]
     quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
@@ -464,7 +504,26 @@ def format_host(rows: list[dict[str, Any]]) -> list[str]:
             f"{t['total']['triton']} / {o['total']['triton']} | {t['total']['syncs']} / {o['total']['syncs']} | "
             f"{time_cells} | {'yes' if row['same'] else 'no (rounding: a one-pass clip)'} |"
         )
+    profiled = [row for row in rows if row["ours"]["total"].get("device_kernels") is not None]
+    if profiled:
+        lines += [
+            "",
+            "What the device ran per step outside forward and backward, as its profiler records it (kernels, copies"
+            " and fills: a multi-tensor op's several kernels and an op's hidden ones included), one steady step:",
+            "",
+            "| shape | route | device work torch / ours |",
+            "|---|---|---|",
+        ]
+        lines += [
+            f"| {row['shape']} | {_route_cell(row)} | {_cell(row['torch']['total'].get('device_kernels'))} / "
+            f"{row['ours']['total']['device_kernels']} |"
+            for row in profiled
+        ]
     return lines
+
+
+def _cell(value: object) -> str:
+    return "-" if value is None else str(value)
 
 
 def main(argv: list[str] | None = None) -> None:
