@@ -74,7 +74,9 @@ def test_launches_per_step(route: str, name: str) -> None:
 
 
 def test_the_host_section_formats_every_cell() -> None:
-    rows = bench_host.host_section(steps=2, warmup=0, shapes=[SHAPES["mlp adamw"]])
+    said: list[str] = []
+    rows = bench_host.host_section(steps=2, warmup=0, shapes=[SHAPES["mlp adamw"]], progress=said.append)
+    assert said == ["bench: host: mlp adamw (generic) 1/1"]
     lines = bench_host.format_host(rows)
     assert any(line.startswith("| mlp adamw | generic | 8 |") for line in lines)
     assert any(line.endswith("| ratio | whole | same |") for line in lines)
@@ -166,8 +168,9 @@ def test_the_bench_on_a_gpu_measures_both_routes_there(monkeypatch: pytest.Monke
     calls: list[tuple[str, str]] = []
 
     def section(
-        steps: int, warmup: int, route: str = "generic", device: torch.device | None = None
+        steps: int, warmup: int, route: str = "generic", device: torch.device | None = None, progress: object = None
     ) -> list[dict[str, str]]:
+        assert progress is not None  # each shape announced: a GPU's minutes show where they go
         calls.append((route, str(device)))
         return [{"route": route}]
 

@@ -323,7 +323,7 @@ def run(
 
         if device.type == "cpu":  # the CUDA route's ops, dispatched here: the proxy for a GPU's host
             progress(f"bench: host cost per step on the CUDA route ({len(SHAPES)} loop shapes x 2 scalers) ...")
-            results["host"] = host_section(steps, warmup)
+            results["host"] = host_section(steps, warmup, progress=progress)
             progress(
                 "bench: host cost on the Triton route, its kernels in Triton's interpreter (counts only; minutes) ..."
             )
@@ -331,8 +331,8 @@ def run(
         else:  # the real thing, each phase's thread time after the device drained: the scaler's own route, then
             # torch's ops (no Triton): which of the two is lighter on the host, shape by shape
             progress(f"bench: host cost per step on {device} ({len(SHAPES)} loop shapes x 2 scalers x 2 routes) ...")
-            results["host"] = host_section(steps, warmup, route="native", device=device)
-            results["host"] += host_section(steps, warmup, route="torch-ops", device=device)
+            results["host"] = host_section(steps, warmup, route="native", device=device, progress=progress)
+            results["host"] += host_section(steps, warmup, route="torch-ops", device=device, progress=progress)
     if "accumulation" in sections:
         from gradscaler.tools.bench_accumulate import accumulation_section
 

@@ -443,11 +443,18 @@ def host_section(
     shapes: list[HostShape] | None = None,
     route: str = "generic",
     device: torch.device | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """One row per loop shape on ``route`` and ``device`` (see ``measure``). The warm-up is at least enough for
-    the telemetry's first copy to land (its steady state)."""
+    """One row per loop shape on ``route`` and ``device`` (see ``measure``), each announced to ``progress`` as it
+    starts. The warm-up is at least enough for the telemetry's first copy to land (its steady state)."""
     warmup = max(warmup, RECORDS_PER_COPY + 2)
-    return [measure(shape, steps, warmup, route, device) for shape in shapes or SHAPES]
+    shapes = shapes or SHAPES
+    rows = []
+    for number, shape in enumerate(shapes, 1):
+        if progress is not None:
+            progress(f"bench: host: {shape.name} ({route}) {number}/{len(shapes)}")
+        rows.append(measure(shape, steps, warmup, route, device))
+    return rows
 
 
 def triton_rows(progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
