@@ -21,7 +21,7 @@ import sys
 import pytest
 import torch
 
-from gradscaler.tools import bench_host
+from gradscaler.tools import bench_host, host_counts
 
 # shape -> (torch's launches, ours, ours' Triton launches): one steady step, outside forward and backward
 GENERIC = {
@@ -125,7 +125,7 @@ def test_a_casting_reduction_counts_its_hidden_cast() -> None:
         (lambda: values.sum(), 1),
         (lambda: values.half().sum(dtype=torch.float32), 2),  # the half() and the sum: no cast on CUDA
     ]:
-        counts = bench_host.Counts()
+        counts = host_counts.Counts()
         with counts:
             call()
         assert sum(counts.ops.values()) == launches, counts.ops
@@ -195,17 +195,17 @@ def test_device_work_counts_what_the_profiler_saw_and_runs_the_call_once(monkeyp
         ran.append(1)
         return (torch.ones(3) * 2).sum()
 
-    result, seen = bench_host.device_work(call, "cpu")
+    result, seen = host_counts.device_work(call, "cpu")
     assert float(result) == 6.0 and seen is not None and seen >= 2  # at least the multiply and the sum
     ran.clear()
-    assert bench_host.device_work(call, None)[1] is None and len(ran) == 1  # not profiled
+    assert host_counts.device_work(call, None)[1] is None and len(ran) == 1  # not profiled
 
     def refuse(*args: object, **kwargs: object) -> None:
         raise RuntimeError("no profiler here")
 
     monkeypatch.setattr(torch.profiler, "profile", refuse)
     ran.clear()
-    result, seen = bench_host.device_work(call, "cuda")
+    result, seen = host_counts.device_work(call, "cuda")
     assert (float(result), seen, len(ran)) == (6.0, None, 1)
 
 
