@@ -216,3 +216,35 @@ def test_the_device_work_table_follows_when_a_profiler_counted() -> None:
     rows[0]["torch"]["total"]["device_kernels"], rows[0]["ours"]["total"]["device_kernels"] = 25, 19
     lines = bench_host.format_host(rows)
     assert lines[-1] == "| mlp adamw | generic | 25 / 19 |"
+
+
+def test_device_work_on_cuda_counts_the_device_events_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA branch with a stand-in profiler (no GPU here): CUDA's activity asked for, the device drained before
+    the profiler stops, and only the events on the device counted (the host's ops are not launches)."""
+    asked: list[object] = []
+    order: list[str] = []
+
+    class Event:
+        def __init__(self, device_type: object) -> None:
+            self.device_type = device_type
+
+    class Session:
+        def __init__(self, activities: list[object]) -> None:
+            asked.extend(activities)
+
+        def __enter__(self) -> Session:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            order.append("stopped")
+
+        def events(self) -> list[Event]:
+            cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+            return [Event(cuda), Event(cpu), Event(cuda), Event(cpu), Event(cuda)]
+
+    monkeypatch.setattr(torch.profiler, "profile", Session)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *device: order.append("drained"))
+    result, seen = host_counts.device_work(lambda: order.append("ran") or 7, "cuda")
+    assert (result, seen) == (7, 3)
+    assert torch.profiler.ProfilerActivity.CUDA in asked
+    assert order == ["ran", "drained", "stopped"]
