@@ -180,16 +180,15 @@ def launch(kernel: object, grid: tuple[int, ...], *args: object, **kwargs: objec
 
 
 class _Tables:
-    """Device tables for one list of tensors: addresses + sizes (int64) and chunk offsets (int32)."""
+    """Device tables for one list of tensors on ``device``, from their addresses and sizes (the cache's key):
+    addresses + sizes (int64) and chunk offsets (int32)."""
 
-    def __init__(self, grads: list[torch.Tensor]) -> None:
-        device = grads[0].device
-        sizes = [g.numel() for g in grads]
+    def __init__(self, device: torch.device, addresses: tuple[int, ...], sizes: tuple[int, ...]) -> None:
         offsets = [0]
         for n in sizes:
             offsets.append(offsets[-1] + max(1, math.ceil(n / CHUNK)))
         # on the host whatever torch.set_default_device says: pinned, then copied to the tensors' device
-        table = torch.tensor([g.data_ptr() for g in grads] + sizes, dtype=torch.int64, device="cpu")
+        table = torch.tensor(addresses + sizes, dtype=torch.int64, device="cpu")
         offs = torch.tensor(offsets, dtype=torch.int32, device="cpu")
         if device.type == "cuda":
             table, offs = table.pin_memory(), offs.pin_memory()
@@ -197,7 +196,7 @@ class _Tables:
         self.table = table.to(device, non_blocking=True)
         self.offsets = offs.to(device, non_blocking=True)
         self.num_chunks = offsets[-1]
-        self.aligned = all(g.data_ptr() % 16 == 0 for g in grads)
+        self.aligned = all(address % 16 == 0 for address in addresses)
 
 
 _DATA_PTR, _NUMEL, _IS_CONTIGUOUS = torch.Tensor.data_ptr, torch.Tensor.numel, torch.Tensor.is_contiguous
@@ -216,7 +215,7 @@ def _tables(grads: list[torch.Tensor]) -> _Tables | None:
     if found is None:
         if capturing:
             return None
-        found = _Tables(grads)
+        found = _Tables(*key)
         _CACHE[key] = found
         if len(_CACHE) > _CACHE_SIZE:
             _CACHE.popitem(last=False)

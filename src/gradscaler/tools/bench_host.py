@@ -160,7 +160,7 @@ class Loop:
         device ran outside forward and backward, as its profiler records it (``device_work``)."""
         costs = {phase: PhaseCost(Counter(), 0, 0) for phase in PHASES}
         loss = self.loss()
-        profiled = self.device.type if count and self.device.type == "cuda" else None
+        profiled = "cuda" if count and self.device.type == "cuda" else None
         scaled, before = device_work(
             lambda: self._measure(costs["scale"], lambda: self.scaler.scale(loss), count), profiled
         )
