@@ -7,6 +7,9 @@ BIN := $(VENV)/bin
 # takes PyTorch's CPU build instead (a 192 MB wheel, about 1 GB installed). Any other torch:
 # `make TORCH_SPEC=torch`, or your own environment: `pip install -e .[dev]`.
 TORCH_SPEC ?= torch==2.13.0
+# pip keeps no copy of what it downloads (the CUDA build's wheels are about 3 GB more on disk): every install
+# here is a fresh machine's one-off, and a CI disk that runs short fails it (a CI run of 2026-11-30 did).
+export PIP_NO_CACHE_DIR := 1
 TORCH_INDEX ?=
 # Two stamps in one .venv: the demo's (torch, gradscaler, matplotlib) and, on top of it, the test
 # set-up's (dev tools, Triton, the frameworks the integration tests drive). `make demo` installs only
