@@ -20,6 +20,7 @@ accept too, and a scaler's own ``state_dict()`` always loads.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import numbers
 import struct
@@ -156,17 +157,19 @@ class ScaleRule:
                 raise
             return self.clamp(2.0**16)
 
-    @property
+    # lower, upper, steady and matches_torch_kernel: read at every update; as cached properties each read after
+    # the first is an attribute's, not a call (the rule is frozen).
+    @functools.cached_property
     def lower(self) -> float:
         """The smallest scale the rule produces (a float32 value: ``min_scale`` rounded up)."""
         return self._lower  # type: ignore[attr-defined,no-any-return]
 
-    @property
+    @functools.cached_property
     def upper(self) -> float:
         """The largest scale the rule produces (a float32 value: ``max_scale`` rounded down)."""
         return self._upper  # type: ignore[attr-defined,no-any-return]
 
-    @property
+    @functools.cached_property
     def steady(self) -> tuple[float, float]:
         """Scales from which one growth or backoff stays inside ``[lower, upper]`` (with a margin)."""
         return self._steady  # type: ignore[attr-defined,no-any-return]
@@ -204,7 +207,7 @@ class ScaleRule:
         """``scale`` (a finite number > 0) moved into ``[lower, upper]``."""
         return min(max(scale, self.lower), self.upper)
 
-    @property
+    @functools.cached_property
     def matches_torch_kernel(self) -> bool:
         """True when torch's ``_amp_update_scale_`` kernel computes this rule (before the clamp)."""
         return self.hysteresis == 1

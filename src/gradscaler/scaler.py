@@ -198,20 +198,21 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         ``master_weights=True`` moves them to float32 masters (then they show the unscaled values).
         """
         if self._enabled:
-            self._unscale(optimizer, keep=not self._in_step)
+            optimizer = masters.unwrap(optimizer)
+            self._check_scale_growth_tracker("unscale_")
+            self._unscale(optimizer, self._record(optimizer), keep=not self._in_step)
 
-    def _unscale(self, optimizer: torch.optim.Optimizer, keep: bool) -> None:
-        """``unscale_``'s work, called by ``step`` inside its own eager half (no second disable wrapper);
+    def _unscale(self, optimizer: torch.optim.Optimizer, record: stale.OptimizerRecord, keep: bool) -> None:
+        """``unscale_``'s work on ``optimizer`` (unwrapped) and its ``record`` (``_record``), the scale checked:
+        called by ``step`` inside its own eager half, which made those calls (no second disable wrapper);
         ``keep``: the user's own call (the model's gradients then show unscaled values until ``step``)."""
-        optimizer = masters.unwrap(optimizer)
-        self._check_scale_growth_tracker("unscale_")
-        record = self._record(optimizer)
         self._check_stage(record, "unscale_()")
         params = self._params(optimizer)  # cached, and the agreement resolved from them
         agreement = self._agreement(optimizer)  # before any gradient is touched: a refusal changes nothing
         inv_scale = self._inv_scale()  # the masters' gradients: moved, checked (and unscaled) in one pass
-        moved = self._masters.move(optimizer, None if self._custom_unscale else inv_scale, keep=keep)
-        if self._custom_unscale:  # torch's hook, as torch's unscale_ calls it: every gradient, the masters' too
+        custom = self._custom_unscale
+        moved = self._masters.move(optimizer, None if custom else inv_scale, keep=keep)
+        if custom:  # torch's hook, as torch's unscale_ calls it: every gradient, the masters' too
             per_device = self._unscale_grads_(optimizer, inv_scale, torch.zeros_like(inv_scale), False)
         else:
             if self._masters.active:
@@ -219,8 +220,8 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
             rest = moved.rest(params)  # none left: a float16 model, whose move gave every flag
             per_device = dict(moved.flags)  # a copy: ``NOTHING``'s is shared
             if rest:
-                groups = grads.group_grads(rest, allow_fp16=False)
-                per_device = grads.merge_flags(grads.unscale_and_check_(groups, inv_scale), per_device)
+                flags = grads.unscale_and_check_(grads.group_grads(rest, allow_fp16=False), inv_scale)
+                per_device = grads.merge_flags(flags, per_device) if per_device else flags  # no move: its flags
         self._record_found_inf(optimizer, record, per_device, agreement)
         if keep:
             self._masters.show(optimizer)
@@ -329,7 +330,7 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
             return self._begin_fused_step(target, optimizer, record, args, kwargs)
         if record["stage"] is OptState.READY:
             if type(self).unscale_ is GradScaler.unscale_:
-                self._unscale(optimizer, keep=False)
+                self._unscale(optimizer, record, keep=False)
             else:  # a subclass's own unscale_, called as torch's step calls it
                 self._in_step = True
                 try:
@@ -626,8 +627,9 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
             raise RuntimeError(stale.MIXED_MESSAGE.format(call=call))
 
     def _inv_scale(self) -> torch.Tensor:
-        scale, _ = self._check_scale_growth_tracker("unscale_")
-        return rule.inverse_scale(scale, self._scale_on_host)
+        """The scale's reciprocal, its rounding torch's (after ``_check_scale_growth_tracker``)."""
+        assert self._scale is not None, "_check_scale_growth_tracker comes first"
+        return rule.inverse_scale(self._scale, self._scale_on_host)
 
     def _agreement(self, optimizer: torch.optim.Optimizer) -> distributed.Agreement:
         """The collectives over which ``optimizer``'s flag and norm agree (after ``_params(optimizer)``)."""
@@ -649,9 +651,10 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         per_device: dict[torch.device, torch.Tensor],
         agreement: distributed.Agreement,
     ) -> torch.Tensor:
-        """Store the per-device flags and their combination, agreed as ``agreement`` says (on the scale's device)."""
-        scale, _ = self._check_scale_growth_tracker("step")
-        combined = grads.flag_on(per_device, scale.device)
+        """Store the per-device flags and their combination, agreed as ``agreement`` says (on the scale's device;
+        after ``_check_scale_growth_tracker``)."""
+        assert self._scale is not None, "_check_scale_growth_tracker comes first"
+        combined = grads.flag_on(per_device, self._scale.device)
         distributed.agree_on_flag_(combined, agreement)
         record["found_inf_per_device"] = per_device
         record["found_inf"] = combined
