@@ -203,9 +203,8 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
             self._unscale(optimizer, self._record(optimizer), keep=not self._in_step)
 
     def _unscale(self, optimizer: torch.optim.Optimizer, record: stale.OptimizerRecord, keep: bool) -> None:
-        """``unscale_``'s work on ``optimizer`` (unwrapped) and its ``record`` (``_record``), the scale checked:
-        called by ``step`` inside its own eager half, which made those calls (no second disable wrapper);
-        ``keep``: the user's own call (the model's gradients then show unscaled values until ``step``)."""
+        """``unscale_``'s work on ``optimizer`` (unwrapped), its ``record``, the scale checked; ``step`` calls it in its
+        eager half (no second wrapper). ``keep``: the user's call (gradients show unscaled values until ``step``)."""
         self._check_stage(record, "unscale_()")
         params = self._params(optimizer)  # cached, and the agreement resolved from them
         agreement = self._agreement(optimizer)  # before any gradient is touched: a refusal changes nothing
@@ -627,7 +626,6 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
             raise RuntimeError(stale.MIXED_MESSAGE.format(call=call))
 
     def _inv_scale(self) -> torch.Tensor:
-        """The scale's reciprocal, its rounding torch's (after ``_check_scale_growth_tracker``)."""
         assert self._scale is not None, "_check_scale_growth_tracker comes first"
         return rule.inverse_scale(self._scale, self._scale_on_host)
 
@@ -651,8 +649,7 @@ class GradScaler(TorchSurface, torch.amp.GradScaler):
         per_device: dict[torch.device, torch.Tensor],
         agreement: distributed.Agreement,
     ) -> torch.Tensor:
-        """Store the per-device flags and their combination, agreed as ``agreement`` says (on the scale's device;
-        after ``_check_scale_growth_tracker``)."""
+        """Store the per-device flags and their combination, agreed as ``agreement`` says (on the scale's device)."""
         assert self._scale is not None, "_check_scale_growth_tracker comes first"
         combined = grads.flag_on(per_device, self._scale.device)
         distributed.agree_on_flag_(combined, agreement)
