@@ -13,10 +13,13 @@ either route) is for the rows without one.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -248,3 +251,34 @@ def test_device_work_on_cuda_counts_the_device_events_only(monkeypatch: pytest.M
     assert (result, seen) == (7, 3)
     assert torch.profiler.ProfilerActivity.CUDA in asked
     assert order == ["ran", "drained", "stopped"]
+
+
+def _masters_checks() -> Any:
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "masters_checks.py"
+    spec = importlib.util.spec_from_file_location("masters_checks", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_checks_bench_replaces_each_check_and_puts_it_back() -> None:
+    """benchmarks/masters_checks.py's row without the checks replaces every one it names (a check renamed would
+    leave that row measuring it) and puts each back; the step without them is still the recipe's, bit for bit."""
+    module = _masters_checks()
+    shipped = [vars(owner)[name] for owner, name, _ in module.WITHOUT]
+    shape = next(s for s in bench_host.SHAPES if s.name == "mlp adamw + masters")
+    with module.without_checks():
+        assert all(vars(owner)[name] is not was for (owner, name, _), was in zip(module.WITHOUT, shipped, strict=True))
+        assert bench_host.measure(shape, 4, 2)["same"]
+    assert [vars(owner)[name] for owner, name, _ in module.WITHOUT] == shipped
+
+
+def test_the_checks_bench_refuses_a_check_that_is_gone(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = _masters_checks()
+    owner, name, _ = module.WITHOUT[0]
+    shipped = vars(owner)[name]
+    monkeypatch.setattr(module, "WITHOUT", [*module.WITHOUT, (owner, "no_such_check", lambda _: None)])
+    with pytest.raises(KeyError, match="no_such_check"), module.without_checks():
+        pass
+    assert vars(owner)[name] is shipped and not hasattr(owner, "no_such_check")
