@@ -5,8 +5,9 @@ weights: what the checks cost"), and a run without them is correct only while no
 
 The checks replaced (``WITHOUT``): the distributed-checkpoint guard, the optimizer's binding (its param groups read
 for new or loaded parameters), the clipping route, the written-parameter check (version counters and storages),
-the one-batch check (types, layouts, contiguity, one device and dtype) and the routes' opening. What remains over
-the recipe is the rest of a scaler's step: its records, the telemetry, the flag's reduction, its wrappers.
+the one-batch check (types, layouts, contiguity, one device and dtype) and the routes' opening and closing. What
+remains over the recipe is the rest of a scaler's step: its records, the telemetry, the flag's reduction, its
+wrappers, and with the scaler's clip the choice of one joint norm pass (the optimizer's other parameters read).
 
     PYTHONPATH=src python benchmarks/masters_checks.py [--steps 600] [--shapes "mlp adamw + masters"]
 """
@@ -46,6 +47,7 @@ WITHOUT: list[tuple[Any, str, Callable[[Any], Any]]] = [
     (pairs.Binding, "written", lambda _: lambda self: []),
     (lifecycle, "one_batch", lambda _: lambda moving: True),
     (lifecycle, "open_routes", lambda _: lambda opened, every, keys, lows, checked: checked),
+    (lifecycle, "close_routes", lambda _: lambda keys: None),  # none was opened
 ]
 
 

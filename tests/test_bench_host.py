@@ -13,6 +13,7 @@ either route) is for the rows without one.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -262,15 +263,58 @@ def _masters_checks() -> Any:
     return module
 
 
-def test_the_checks_bench_replaces_each_check_and_puts_it_back() -> None:
-    """benchmarks/masters_checks.py's row without the checks replaces every one it names (a check renamed would
-    leave that row measuring it) and puts each back; the step without them is still the recipe's, bit for bit."""
+def _counted(monkeypatch: pytest.MonkeyPatch, without: list[tuple[Any, str, Any]]) -> dict[str, int]:
+    """Each check of ``without`` wrapped to count its calls, where it is: the calls the library makes of it."""
+    calls = dict.fromkeys((name for _, name, _ in without), 0)
+    for owner, name, _ in without:
+        original = vars(owner)[name]
+
+        def counting(*args: Any, _name: str = name, _original: Any = original, **kwargs: Any) -> Any:
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, counting)
+    return calls
+
+
+def test_the_checks_bench_replaces_each_check_where_the_library_reads_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """benchmarks/masters_checks.py: every check it names is one the step calls, through the name it replaces (a
+    check renamed, or replaced where the library does not read it, would leave its row measuring it), and none is
+    called while replaced but the binding, once for the optimizer; each is put back after; the run stays the
+    recipe's, bit for bit."""
+    module = _masters_checks()
+    calls = _counted(monkeypatch, module.WITHOUT)
+    counting = [vars(owner)[name] for owner, name, _ in module.WITHOUT]
+    shape = next(s for s in bench_host.SHAPES if s.name == "mlp adamw + masters")
+    assert bench_host.measure(shape, 4, 2)["same"]
+    assert all(calls.values()), calls  # each one reached as shipped
+    calls.update(dict.fromkeys(calls, 0))
+    with module.without_checks():
+        assert bench_host.measure(shape, 4, 2)["same"]
+    assert calls == {**dict.fromkeys(calls, 0), "_bind": 1}, calls
+    assert [vars(owner)[name] for owner, name, _ in module.WITHOUT] == counting
+
+
+def test_the_checks_bench_leaves_a_clipped_run_as_it_was() -> None:
+    """With the scaler's clip (whose one-pass norms round apart from the recipe's clip), the run without the checks
+    is the run with them, bit for bit."""
+    module = _masters_checks()
+    shape = bench_host.HostShape(clip="scaler", masters=True)
+    runs = []
+    for context in (contextlib.nullcontext(), module.without_checks()):
+        with context:
+            loop = bench_host.Loop(shape, ours=True)
+            for _ in range(6):
+                loop.step(False)
+        runs.append(loop.state())
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+
+
+def test_the_checks_bench_puts_each_check_back_after_an_error() -> None:
     module = _masters_checks()
     shipped = [vars(owner)[name] for owner, name, _ in module.WITHOUT]
-    shape = next(s for s in bench_host.SHAPES if s.name == "mlp adamw + masters")
-    with module.without_checks():
-        assert all(vars(owner)[name] is not was for (owner, name, _), was in zip(module.WITHOUT, shipped, strict=True))
-        assert bench_host.measure(shape, 4, 2)["same"]
+    with pytest.raises(RuntimeError, match="inside"), module.without_checks():
+        raise RuntimeError("inside")
     assert [vars(owner)[name] for owner, name, _ in module.WITHOUT] == shipped
 
 
