@@ -69,8 +69,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=600, help="steps timed per run (default 600)")
     parser.add_argument("--shapes", default=None, help="comma-separated shape names (default: every masters shape)")
     args = parser.parse_args()
-    names = args.shapes.split(",") if args.shapes else [s.name for s in SHAPES if s.masters]
+    masters = [s.name for s in SHAPES if s.masters]
+    names = args.shapes.split(",") if args.shapes else masters
     shapes = {s.name: s for s in SHAPES}
+    for name in names:
+        if name not in shapes:
+            parser.error(f"--shapes: no host-bench shape {name!r}; the masters shapes are {', '.join(masters)}")
     print(f"torch {torch.__version__}, the route CUDA takes (generic), {args.steps} steps, thread CPU time per step")
     print("ratio: ours / the recipe by hand, median [quartiles] of per-step ratios; whole: of the runs' sums")
     print()
