@@ -14,18 +14,17 @@ either route) is for the rows without one.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 from gradscaler.tools import bench_host, host_counts
+from helpers import load_benchmark
 
 # shape -> (torch's launches, ours, ours' Triton launches): one steady step, outside forward and backward
 GENERIC = {
@@ -254,15 +253,6 @@ def test_device_work_on_cuda_counts_the_device_events_only(monkeypatch: pytest.M
     assert order == ["ran", "drained", "stopped"]
 
 
-def _masters_checks() -> Any:
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "masters_checks.py"
-    spec = importlib.util.spec_from_file_location("masters_checks", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _counted(monkeypatch: pytest.MonkeyPatch, without: list[tuple[Any, str, Any]]) -> dict[str, int]:
     """Each check of ``without`` wrapped to count its calls, where it is: the calls the library makes of it."""
     calls = dict.fromkeys((name for _, name, _ in without), 0)
@@ -282,7 +272,7 @@ def test_the_checks_bench_replaces_each_check_where_the_library_reads_it(monkeyp
     check renamed, or replaced where the library does not read it, would leave its row measuring it), and none is
     called while replaced but the binding, once for the optimizer; each is put back after; the run stays the
     recipe's, bit for bit."""
-    module = _masters_checks()
+    module = load_benchmark("masters_checks")
     calls = _counted(monkeypatch, module.WITHOUT)
     counting = [vars(owner)[name] for owner, name, _ in module.WITHOUT]
     shape = next(s for s in bench_host.SHAPES if s.name == "mlp adamw + masters")
@@ -298,7 +288,7 @@ def test_the_checks_bench_replaces_each_check_where_the_library_reads_it(monkeyp
 def test_the_checks_bench_leaves_a_clipped_run_as_it_was() -> None:
     """With the scaler's clip (whose one-pass norms round apart from the recipe's clip), the run without the checks
     is the run with them, bit for bit."""
-    module = _masters_checks()
+    module = load_benchmark("masters_checks")
     shape = bench_host.HostShape(clip="scaler", masters=True)
     runs = []
     for context in (contextlib.nullcontext(), module.without_checks()):
@@ -311,7 +301,7 @@ def test_the_checks_bench_leaves_a_clipped_run_as_it_was() -> None:
 
 
 def test_the_checks_bench_puts_each_check_back_after_an_error() -> None:
-    module = _masters_checks()
+    module = load_benchmark("masters_checks")
     shipped = [vars(owner)[name] for owner, name, _ in module.WITHOUT]
     with pytest.raises(RuntimeError, match="inside"), module.without_checks():
         raise RuntimeError("inside")
@@ -319,7 +309,7 @@ def test_the_checks_bench_puts_each_check_back_after_an_error() -> None:
 
 
 def test_the_checks_bench_refuses_a_check_that_is_gone(monkeypatch: pytest.MonkeyPatch) -> None:
-    module = _masters_checks()
+    module = load_benchmark("masters_checks")
     owner, name, _ = module.WITHOUT[0]
     shipped = vars(owner)[name]
     monkeypatch.setattr(module, "WITHOUT", [*module.WITHOUT, (owner, "no_such_check", lambda _: None)])

@@ -8,7 +8,6 @@ differently, when a command a page shows would not run, and when a link does not
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import re
@@ -17,12 +16,12 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
 from gradscaler.tools import cli, demo
+from helpers import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -42,15 +41,7 @@ RUN_PAGES = ("README.md", "docs/guide.md")
 """The pages every Python block of which runs (tests/test_docs.py runs them as well)."""
 
 
-def load_recorder() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("demo_record", ROOT / "benchmarks" / "demo_record.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-recorder = load_recorder()
+recorder = load_benchmark("demo_record")
 
 
 def shell_blocks(texts: list[str] | None = None) -> list[str]:
